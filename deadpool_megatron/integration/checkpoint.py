@@ -1,0 +1,132 @@
+"""Durable checkpoints with megatron.core.dist_checkpointing: the fallback of last resort.
+
+Layout follows Megatron-LM: DIR/iter_0000010/ holds one checkpoint and
+DIR/latest_checkpointed_iteration.txt names the newest complete one (written last, so a
+checkpoint interrupted mid-save is never picked up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.integration.model import TrainingObjects
+from deadpool_megatron.training.hooks import LoopState
+
+TRACKER = "latest_checkpointed_iteration.txt"
+log = logging.getLogger("deadpool_megatron.checkpoint")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} is corrupt (holds {text!r}); delete it or pass another --load")
+    return int(text)
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+class Checkpointer:
+    """Saves every --save-interval iterations and loads from --load."""
+
+    def __init__(self, cfg: TrainConfig, objs: TrainingObjects) -> None:
+        self.cfg = cfg
+        self.objs = objs
+
+    def _sharded_state_dict(self, state: LoopState, is_loading: bool) -> dict[str, Any]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_sd = self.objs.model[0].module.sharded_state_dict()
+        coords = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                  ps.get_data_parallel_rank())
+        sizes = (ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+        return {
+            "model": model_sd,
+            "optimizer": self.objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+            "opt_param_scheduler": self.objs.scheduler.state_dict(),
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            "rng_state": ShardedObject("rng_state", _rng_state(), sizes, coords, replica_id=0),
+        }
+
+    def save(self, state: LoopState) -> str:
+        from megatron.core import dist_checkpointing
+
+        root = self.cfg.save
+        assert root is not None
+        path = iteration_dir(root, state.iteration)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(state, is_loading=False), path)
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            tmp = os.path.join(root, TRACKER + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(str(state.iteration))
+            os.replace(tmp, os.path.join(root, TRACKER))
+            log.info("saved checkpoint at iteration %d to %s", state.iteration, path)
+        torch.distributed.barrier()
+        return path
+
+    def load(self, state: LoopState) -> bool:
+        """Restore from the newest checkpoint under --load; False if there is none."""
+        from megatron.core import dist_checkpointing
+
+        root = self.cfg.load
+        assert root is not None
+        iteration = latest_iteration(root)
+        if iteration is None:
+            if torch.distributed.get_rank() == 0:
+                log.info("no checkpoint under %s; starting from scratch", root)
+            return False
+        path = iteration_dir(root, iteration)
+        loaded = dist_checkpointing.load(self._sharded_state_dict(state, is_loading=True), path)
+        self.objs.model[0].module.load_state_dict(loaded["model"])
+        self.objs.optimizer.load_state_dict(loaded["optimizer"])
+        self.objs.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _set_rng_state(loaded["rng_state"])
+        state.iteration = int(loaded["iteration"])
+        state.consumed_samples = int(loaded["consumed_samples"])
+        if torch.distributed.get_rank() == 0:
+            log.info("loaded checkpoint of iteration %d from %s", state.iteration, path)
+        return True
+
+    def after_iteration(self, state: LoopState) -> bool:
+        """Save when due; True when --exit-interval says to stop now."""
+        cfg = self.cfg
+        due = cfg.save_interval is not None and state.iteration % cfg.save_interval == 0
+        stop = cfg.exit_interval is not None and state.iteration % cfg.exit_interval == 0
+        if cfg.save and (due or stop):
+            self.save(state)
+        return stop and state.iteration < cfg.train_iters

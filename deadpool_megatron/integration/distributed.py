@@ -1,0 +1,53 @@
+"""Process groups and seeds, the way Megatron-LM sets them up, for gloo (CPU) or NCCL (GPU)."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from deadpool_megatron.config import TrainConfig
+
+
+def init_process_groups(cfg: TrainConfig) -> None:
+    """Default group from torchrun's environment, then every Megatron-Core parallel group."""
+    from megatron.core import parallel_state as ps
+
+    if cfg.distributed_backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "--distributed-backend nccl needs CUDA devices; on a CPU machine pass "
+                "--distributed-backend gloo (CPU rehearsal mode)."
+            )
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
+    torch.distributed.init_process_group(backend=cfg.distributed_backend, timeout=timeout)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+    )
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's policy: each pipeline stage offsets the seed by 100; the TP RNG streams
+    come from Megatron's model_parallel_cuda_manual_seed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_process_groups() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

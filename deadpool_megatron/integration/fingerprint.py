@@ -1,0 +1,71 @@
+"""SHA-256 fingerprint of the whole job's training state, for bit-identity checks.
+
+Each rank hashes its parameters, its optimizer's parameters and state (Adam moments, step)
+and the scheduler's step counter; the per-rank digests are combined in rank order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import torch
+
+
+def _hash_tensor(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _hash_value(h: "hashlib._Hash", name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        _hash_tensor(h, name, value)
+    else:
+        h.update(f"{name}={value!r}".encode())
+
+
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside Megatron's (possibly chained) optimizer, in order."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for opt in chained for inner in inner_optimizers(opt)]
+    return [optimizer.optimizer] if getattr(optimizer, "optimizer", None) is not None else []
+
+
+def iter_optimizer_tensors(optimizer: Any) -> Iterable[tuple[str, Any]]:
+    """(name, value) for every optimizer parameter and state entry, in a stable order."""
+    for oi, inner in enumerate(inner_optimizers(optimizer)):
+        for gi, group in enumerate(inner.param_groups):
+            for pi, param in enumerate(group["params"]):
+                prefix = f"opt{oi}.g{gi}.p{pi}"
+                yield f"{prefix}.param", param
+                for key in sorted(inner.state.get(param, {})):
+                    yield f"{prefix}.{key}", inner.state[param][key]
+
+
+def rank_digest(model: list[Any], optimizer: Any, scheduler: Any) -> bytes:
+    h = hashlib.sha256()
+    for ci, chunk in enumerate(model):
+        for name, param in chunk.named_parameters():
+            _hash_tensor(h, f"model{ci}.{name}", param)
+    for name, value in iter_optimizer_tensors(optimizer):
+        _hash_value(h, name, value)
+    _hash_value(h, "scheduler.num_steps", scheduler.num_steps)
+    return h.digest()
+
+
+def combine(digests: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for d in digests:
+        h.update(d)
+    return h.hexdigest()
+
+
+def job_fingerprint(model: list[Any], optimizer: Any, scheduler: Any, group: Any = None) -> str:
+    """Collective over `group` (default: world); every rank gets the same hex digest."""
+    digest = rank_digest(model, optimizer, scheduler)
+    world = torch.distributed.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, digest, group=group)
+    return combine(gathered)

@@ -1,0 +1,98 @@
+"""Run Megatron-Core's CUDA-assuming code paths on the CPU, inside one scoped context.
+
+`CpuRehearsal` is entered once by a training process whose backend is gloo on a machine
+without CUDA. On exit every patch is undone. See workarounds.py for the catalogue.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from deadpool_megatron.rehearsal.rng import install_cpu_rng_tracker, restore_rng_tracker
+
+_CPU = torch.device("cpu")
+
+
+def rehearsal_needed(backend: str) -> bool:
+    """CPU rehearsal applies only to gloo on a machine without CUDA."""
+    return backend == "gloo" and not torch.cuda.is_available()
+
+
+def _is_cuda_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value == "cuda" or value.startswith("cuda:")
+    # A bare int as a device means a CUDA ordinal (torch.cuda.current_device()).
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _CudaOnCpuMode(TorchFunctionMode):
+    """Maps CUDA devices to the CPU in every torch call, and reports CUDA type names."""
+
+    def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _HostStream:
+    """Stand-in for torch.cuda.Stream: on CPU all work is ordered, so waits are no-ops."""
+
+    def wait_stream(self, _other: object) -> None:
+        return None
+
+    def wait_event(self, _event: object) -> None:
+        return None
+
+    def record_event(self, _event: object = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CpuRehearsal:
+    """Context manager that applies the CPU-rehearsal workarounds to this process."""
+
+    def __init__(self) -> None:
+        self._mode = _CudaOnCpuMode()
+        self._saved_cuda: dict[str, Any] = {}
+        self._saved_tracker: tuple[Any, bool] | None = None
+        self._host_stream = _HostStream()
+
+    def _cuda_patches(self) -> dict[str, Any]:
+        return {
+            "current_device": lambda: 0,
+            "current_stream": lambda device=None: self._host_stream,
+        }
+
+    def __enter__(self) -> "CpuRehearsal":
+        cuda: types.ModuleType = torch.cuda
+        for name, replacement in self._cuda_patches().items():
+            self._saved_cuda[name] = getattr(cuda, name)
+            setattr(cuda, name, replacement)
+        self._saved_tracker = install_cpu_rng_tracker()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        if self._saved_tracker is not None:
+            restore_rng_tracker(self._saved_tracker)
+            self._saved_tracker = None
+        for name, original in self._saved_cuda.items():
+            setattr(torch.cuda, name, original)
+        self._saved_cuda.clear()

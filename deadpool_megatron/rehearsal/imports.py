@@ -1,0 +1,66 @@
+"""Make `import megatron.core` work where triton is not installed (the CPU torch wheel).
+
+megatron-core 0.19 imports its MoE paged-stash Triton kernels at import time, reached from
+`megatron.core.pipeline_parallel.schedules`. Dense GPT training never calls them, so when
+triton is absent we serve that single module as a stub whose kernels raise if launched.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _unavailable(*_args: object, **_kwargs: object) -> None:
+    raise RuntimeError(
+        "MoE paged stash needs triton (a CUDA feature); it is not available in CPU rehearsal "
+        "mode. Turn off moe_paged_stash or run on a GPU with triton installed."
+    )
+
+
+class _PagedStashStubLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__doc__ = "CPU-rehearsal stub of Megatron's Triton paged-stash kernels."
+        module.GLOBAL_BLOCK_SIZE = 1024  # type: ignore[attr-defined]
+        module.paged_stash_copy_kernel = _unavailable  # type: ignore[attr-defined]
+        module.paged_stash_pop_kernel = _unavailable  # type: ignore[attr-defined]
+        module.__all__ = [  # type: ignore[attr-defined]
+            "GLOBAL_BLOCK_SIZE",
+            "paged_stash_copy_kernel",
+            "paged_stash_pop_kernel",
+        ]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+class _PagedStashStubFinder(importlib.abc.MetaPathFinder):
+    """Answers only for the paged-stash ops module; every other import goes its normal way."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):
+        if fullname != PAGED_STASH_OPS:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _PagedStashStubLoader())
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def prepare_megatron_import() -> bool:
+    """Install the paged-stash stub if triton is missing; returns whether it is installed.
+
+    Idempotent. Call it before the first `import megatron.core` of the process.
+    """
+    if triton_available():
+        return False
+    if not any(isinstance(f, _PagedStashStubFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PagedStashStubFinder())
+    return True

@@ -1,0 +1,62 @@
+"""The catalogue of CPU-rehearsal workarounds: one entry per Megatron-Core CUDA assumption."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One named workaround; `sites` are megatron/core paths as of megatron-core 0.19.2."""
+
+    name: str
+    why: str
+    sites: tuple[str, ...]
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        "paged-stash-import",
+        "megatron.core imports MoE paged-stash Triton kernels unconditionally; CPU torch has no "
+        "triton, so that one dense-unused module is replaced by a stub that raises if called.",
+        ("transformer/moe/ops/paged_stash.py:4",),
+    ),
+    Workaround(
+        "cpu-rng-tracker",
+        "The tensor-parallel RNG tracker stores CUDA generator states; on CPU it keeps CPU "
+        "generator states instead, seeded by Megatron's own model_parallel_cuda_manual_seed.",
+        ("tensor_parallel/random.py:303-345",),
+    ),
+    Workaround(
+        "cuda-device-literals",
+        "Buffers are allocated with device='cuda' or torch.cuda.current_device(); a torch "
+        "function mode maps CUDA devices to the CPU and Tensor.cuda() to a no-op.",
+        (
+            "utils.py:715",
+            "pipeline_parallel/p2p_communication.py:334",
+            "distributed/param_and_grad_buffer.py:1180",
+            "pipeline_parallel/schedules.py:749",
+            "optimizer/optimizer.py:315",
+            "optimizer/clip_grads.py:108",
+            "models/common/language_module/language_module.py:307",
+        ),
+    ),
+    Workaround(
+        "cuda-tensor-type-names",
+        "The optimizers classify parameters by Tensor.type() == 'torch.cuda.FloatTensor'; on "
+        "CPU a no-argument Tensor.type() reports the CUDA name of the same dtype.",
+        ("optimizer/distrib_optimizer.py:401,466,758", "optimizer/clip_grads.py:174"),
+    ),
+    Workaround(
+        "cuda-streams",
+        "Grad-buffer sync asks for torch.cuda.current_stream() every step; on CPU there is one "
+        "implicit stream, so stream queries return a stand-in whose waits are no-ops.",
+        ("distributed/param_and_grad_buffer.py:632",),
+    ),
+    Workaround(
+        "batch-p2p-sync",
+        "Pipeline p2p calls torch.cuda.synchronize() after batched isend/irecv; Megatron's own "
+        "switch batch_p2p_sync=False turns it off (gloo waits on its requests anyway).",
+        ("pipeline_parallel/p2p_communication.py:419",),
+    ),
+)

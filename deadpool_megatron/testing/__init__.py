@@ -1,0 +1,1 @@
+"""Helpers to launch and inspect real multi-process jobs (tests and benchmarks)."""

@@ -1,0 +1,124 @@
+"""Launch N local training processes with bounded time, keep every rank's log, leave nothing.
+
+The harness hosts the rendezvous TCPStore itself on an OS-chosen port (no free-port race)
+and the ranks join it as clients (TORCHELASTIC_USE_AGENT_STORE), as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
+FINGERPRINT = re.compile(r"^state fingerprint: ([0-9a-f]{64})$", re.M)
+LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*lm loss: ([0-9.E+-]+)")
+
+
+@dataclass
+class JobResult:
+    returncodes: list[int | None]
+    logs: dict[int, str]
+    log_dir: Path
+    timed_out: bool
+    elapsed_s: float
+    stderr_tail: str = field(default="")
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.logs[r] for r in sorted(self.logs))
+
+    @property
+    def fingerprint(self) -> str | None:
+        found = FINGERPRINT.findall(self.output)
+        return found[-1] if found else None
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {int(i): float(v) for i, v in LOSS.findall(self.output)}
+
+    def describe(self) -> str:
+        """Everything needed to debug a failed job: exit codes and each rank's log tail."""
+        parts = [f"returncodes={self.returncodes} timed_out={self.timed_out} "
+                 f"elapsed={self.elapsed_s:.1f}s logs in {self.log_dir}"]
+        for rank in sorted(self.logs):
+            tail = "\n".join(self.logs[rank].splitlines()[-25:])
+            parts.append(f"--- rank {rank} ---\n{tail}")
+        return "\n".join(parts)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a zombie the kernel will reap
+        pass
+
+
+def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 300.0,
+            script: Path = PRETRAIN_GPT, env: dict[str, str] | None = None) -> JobResult:
+    """Run `script args` as ranks 0..nproc-1; kill all of them on failure or timeout."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    base_env = {**os.environ, **(env or {})}
+    base_env.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+    })
+    procs: list[subprocess.Popen] = []
+    files = []
+    start = time.monotonic()
+    timed_out = False
+    try:
+        for rank in range(nproc):
+            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            f = open(log_dir / f"rank{rank}.log", "w")
+            files.append(f)
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), *args], env=rank_env, stdout=f,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                cwd=str(REPO),
+            ))
+        deadline = start + timeout_s
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                # One rank failed: give the others a moment to report, then stop them all.
+                grace = time.monotonic() + 5.0
+                while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                    time.sleep(0.05)
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p)
+        for f in files:
+            f.close()
+        del store
+    logs = {r: (log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(nproc)}
+    return JobResult(
+        returncodes=[p.returncode for p in procs], logs=logs, log_dir=log_dir,
+        timed_out=timed_out, elapsed_s=time.monotonic() - start,
+    )

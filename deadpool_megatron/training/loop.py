@@ -1,0 +1,73 @@
+"""The training loop of pretrain_gpt.py: iterations, Megatron-style logs, checkpoints, hooks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.integration.data import MicrobatchIterator
+from deadpool_megatron.integration.model import TrainingObjects
+from deadpool_megatron.integration.step import StepResult, train_step
+from deadpool_megatron.training.hooks import LoopState, TrainingHooks
+
+log = logging.getLogger("deadpool_megatron.train")
+
+
+def _log_iteration(cfg: TrainConfig, state: LoopState, result: StepResult, lr: float,
+                   elapsed_ms: float) -> None:
+    """Megatron's iteration line, printed by the last pipeline stage's first DP rank."""
+    from megatron.core import parallel_state as ps
+
+    loss = torch.tensor([result.loss if result.loss is not None else 0.0], dtype=torch.float64)
+    if ps.is_pipeline_last_stage():
+        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+        loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
+    if not (ps.is_pipeline_last_stage() and ps.get_data_parallel_rank() == 0
+            and ps.get_tensor_model_parallel_rank() == 0):
+        return
+    grad_norm = f"{result.grad_norm:.6E}" if result.grad_norm is not None else "n/a"
+    log.info(
+        "iteration %8d/%8d | consumed samples: %12d | elapsed time per iteration (ms): %.1f | "
+        "learning rate: %.6E | global batch size: %5d | lm loss: %.6E | grad norm: %s | "
+        "skipped: %d",
+        state.iteration, cfg.train_iters, state.consumed_samples, elapsed_ms, lr,
+        cfg.global_batch_size, float(loss[0]), grad_norm, int(result.skipped),
+    )
+
+
+def train(cfg: TrainConfig, objs: TrainingObjects, dataset: object, state: LoopState,
+          hooks: Sequence[TrainingHooks] = (), checkpointer: object = None) -> LoopState:
+    """Run iterations state.iteration+1 .. cfg.train_iters; returns the final state."""
+    from megatron.core import parallel_state as ps
+
+    world = torch.distributed.get_world_size()
+    num_mb = cfg.num_microbatches(world)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    for h in hooks:
+        h.on_train_start(state)
+    while state.iteration < cfg.train_iters:
+        start = time.perf_counter()
+        batches = MicrobatchIterator(dataset, state.consumed_samples, num_mb,
+                                     cfg.micro_batch_size, dp_rank, dp_size)
+        result = train_step(
+            objs, batches, num_mb, cfg.seq_length, cfg.micro_batch_size,
+            before_optimizer_step=lambda: [h.before_optimizer_step(state) for h in hooks],
+        )
+        objs.scheduler.step(increment=cfg.global_batch_size)
+        state.iteration += 1
+        state.consumed_samples += cfg.global_batch_size
+        for h in hooks:
+            h.after_iteration(state)
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        if state.iteration % cfg.log_interval == 0:
+            lr = objs.optimizer.param_groups[0]["lr"]
+            _log_iteration(cfg, state, result, lr, elapsed_ms)
+        if checkpointer is not None and checkpointer.after_iteration(state):  # type: ignore[attr-defined]
+            break
+    for h in hooks:
+        h.on_train_end(state)
+    return state

@@ -1,0 +1,85 @@
+"""Entry point shared by pretrain_scripts/pretrain_gpt.py: parse, set up, train, fingerprint."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Sequence
+
+import torch
+
+from deadpool_megatron.config import ConfigError, TrainConfig, parse_config
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[%(asctime)s rank{rank}] %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+    # Megatron-Core logs every bucket and config field at INFO; keep its warnings only.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _setup_logging()
+    cfg = parse_config(TrainConfig, argv, prog="pretrain_gpt.py")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg.validate(world)
+    except ConfigError as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(cfg.num_threads)
+
+    from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import, rehearsal_needed
+
+    prepare_megatron_import()
+    rehearsal = CpuRehearsal() if rehearsal_needed(cfg.distributed_backend) else None
+    with rehearsal or contextlib.nullcontext():
+        return _run(cfg, world, cpu_rehearsal=rehearsal is not None)
+
+
+def _run(cfg: TrainConfig, world: int, cpu_rehearsal: bool) -> int:
+    from deadpool_megatron.integration.checkpoint import Checkpointer
+    from deadpool_megatron.integration.data import build_train_dataset
+    from deadpool_megatron.integration.distributed import (
+        destroy_process_groups,
+        init_process_groups,
+        set_seeds,
+    )
+    from deadpool_megatron.integration.fingerprint import job_fingerprint
+    from deadpool_megatron.integration.model import build_training_objects
+    from deadpool_megatron.training.hooks import LoopState
+    from deadpool_megatron.training.loop import train
+
+    log = logging.getLogger("deadpool_megatron.train")
+    dataset = build_train_dataset(cfg, cfg.train_iters * cfg.global_batch_size)
+    init_process_groups(cfg)
+    try:
+        set_seeds(cfg.seed)
+        objs = build_training_objects(cfg, cpu_rehearsal)
+        state = LoopState(iteration=0, consumed_samples=0, objects=objs)
+        checkpointer = Checkpointer(cfg, objs)
+        if cfg.load:
+            checkpointer.load(state)
+        if torch.distributed.get_rank() == 0:
+            log.info(
+                "training GPT: world %d = TP %d x PP %d x DP %d, %d micro-batches per "
+                "iteration, backend %s%s, from iteration %d",
+                world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                cfg.data_parallel_size(world), cfg.num_microbatches(world),
+                cfg.distributed_backend, " (CPU rehearsal)" if cpu_rehearsal else "",
+                state.iteration,
+            )
+        train(cfg, objs, dataset, state, hooks=(), checkpointer=checkpointer)
+        fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
+        if torch.distributed.get_rank() == 0:
+            print(f"state fingerprint: {fingerprint}", flush=True)
+    finally:
+        destroy_process_groups()
+    return 0
