@@ -75,6 +75,9 @@ class TrainConfig:
         default=None, metadata=flag("Stop (after saving) once the iteration divides by N.")
     )
     log_interval: int = field(default=1, metadata=flag("Log every N iterations."))
+    log_param_changes: bool = field(
+        default=False, metadata=flag("At the end, log how many parameter tensors changed.")
+    )
     num_threads: int = field(
         default=1, metadata=flag("torch threads per rank (fixed: bit-identity depends on it).")
     )

@@ -18,6 +18,9 @@ from deadpool_megatron.integration.model import TrainingObjects
 from deadpool_megatron.training.hooks import LoopState
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Megatron-LM's default format for the distributed optimizer: each rank writes its own buffer
+# shards with no gather (resharding only along data parallelism).
+METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 log = logging.getLogger("deadpool_megatron.checkpoint")
 
 
@@ -54,6 +57,48 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def materialize_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh optimizer its state tensors so that a loading state dict can be built.
+
+    torch's Adam creates its state lazily at the first step, and Megatron's distributed
+    optimizer (without apex/TE) cannot describe an empty state. A zero-gradient step creates
+    it; everything it touches is overwritten by the load that follows.
+    """
+    from deadpool_megatron.integration.fingerprint import inner_optimizers
+
+    for inner in inner_optimizers(optimizer):
+        if inner.state:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        with torch.no_grad():
+            inner.step()
+        inner.zero_grad(set_to_none=True)
+
+
+def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -> None:
+    """Set every Adam state entry's `step` to the checkpoint's step, each its own tensor.
+
+    Without apex/TE, megatron-core 0.19's DistributedOptimizer.load_state_dict puts one
+    shared `step` tensor into every state entry and then overwrites it from the parameter
+    state being loaded, which leaves the step of the fresh optimizer (torch's Adam would
+    also increment the shared tensor once per parameter). The common state's param groups
+    hold the true step.
+    """
+    from deadpool_megatron.integration.fingerprint import inner_optimizers
+
+    common = loaded_optimizer_state.get("optimizer", {})
+    steps = {g["step"] for g in common.get("param_groups", []) if "step" in g}
+    if len(steps) != 1:
+        return  # apex/TE optimizers keep their step elsewhere; nothing to mend
+    step = float(steps.pop())
+    for inner in inner_optimizers(optimizer):
+        for entry in inner.state.values():
+            if isinstance(entry.get("step"), torch.Tensor):
+                entry["step"] = torch.tensor(step, dtype=entry["step"].dtype)
+
+
 class Checkpointer:
     """Saves every --save-interval iterations and loads from --load."""
 
@@ -72,7 +117,8 @@ class Checkpointer:
                  ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
         return {
             "model": model_sd,
-            "optimizer": self.objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+            "optimizer": self.objs.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=METADATA),
             "opt_param_scheduler": self.objs.scheduler.state_dict(),
             "iteration": state.iteration,
             "consumed_samples": state.consumed_samples,
@@ -88,7 +134,8 @@ class Checkpointer:
         if torch.distributed.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         torch.distributed.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(state, is_loading=False), path)
+        dist_checkpointing.save(self._sharded_state_dict(state, is_loading=False), path,
+                                content_metadata=METADATA)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
             tmp = os.path.join(root, TRACKER + ".tmp")
@@ -111,9 +158,12 @@ class Checkpointer:
                 log.info("no checkpoint under %s; starting from scratch", root)
             return False
         path = iteration_dir(root, iteration)
+        materialize_optimizer_state(self.objs.optimizer)
         loaded = dist_checkpointing.load(self._sharded_state_dict(state, is_loading=True), path)
-        self.objs.model[0].module.load_state_dict(loaded["model"])
-        self.objs.optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 main-param shards are views of the model's leaf params
+            self.objs.model[0].module.load_state_dict(loaded["model"])
+            self.objs.optimizer.load_state_dict(loaded["optimizer"])
+        restore_adam_steps(self.objs.optimizer, loaded["optimizer"])
         self.objs.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         _set_rng_state(loaded["rng_state"])
         state.iteration = int(loaded["iteration"])

@@ -77,6 +77,7 @@ class CpuRehearsal:
         return {
             "current_device": lambda: 0,
             "current_stream": lambda device=None: self._host_stream,
+            "synchronize": lambda device=None: None,
         }
 
     def __enter__(self) -> "CpuRehearsal":

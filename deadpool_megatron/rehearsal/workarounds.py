@@ -54,6 +54,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("distributed/param_and_grad_buffer.py:632",),
     ),
     Workaround(
+        "cuda-synchronize",
+        "dist_checkpointing's torch_dist save calls torch.cuda.synchronize() before writing; "
+        "CPU ops complete before they return, so synchronize is a no-op on CPU.",
+        ("dist_checkpointing/strategies/filesystem_async.py:248",),
+    ),
+    Workaround(
         "batch-p2p-sync",
         "Pipeline p2p calls torch.cuda.synchronize() after batched isend/irecv; Megatron's own "
         "switch batch_p2p_sync=False turns it off (gloo waits on its requests anyway).",

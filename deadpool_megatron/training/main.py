@@ -76,10 +76,27 @@ def _run(cfg: TrainConfig, world: int, cpu_rehearsal: bool) -> int:
                 cfg.distributed_backend, " (CPU rehearsal)" if cpu_rehearsal else "",
                 state.iteration,
             )
+        initial = _param_copies(objs) if cfg.log_param_changes else None
         train(cfg, objs, dataset, state, hooks=(), checkpointer=checkpointer)
+        if initial is not None:
+            _log_param_changes(objs, initial)
         fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
         if torch.distributed.get_rank() == 0:
             print(f"state fingerprint: {fingerprint}", flush=True)
     finally:
         destroy_process_groups()
     return 0
+
+
+def _param_copies(objs) -> list:
+    return [p.detach().clone() for chunk in objs.model for p in chunk.parameters()]
+
+
+def _log_param_changes(objs, initial: list) -> None:
+    """Count, over all ranks, the parameter tensors that differ from their initial values."""
+    current = [p.detach() for chunk in objs.model for p in chunk.parameters()]
+    counts = torch.tensor([sum(not torch.equal(a, b) for a, b in zip(initial, current)),
+                           len(current)], dtype=torch.int64)
+    torch.distributed.all_reduce(counts)
+    if torch.distributed.get_rank() == 0:
+        print(f"parameters changed: {int(counts[0])} of {int(counts[1])}", flush=True)

@@ -1,0 +1,29 @@
+"""Shared fixtures: the small TP2 x PP2 x DP2 job that the multi-process tests run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+# The 3D-parallel job most tests use: 8 ranks, distributed optimizer, dropout on (so RNG
+# state matters), a few dozen iterations.
+GPT_3D_ARGS = [
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
+    "--lr-warmup-iters", "2", "--seed", "1234",
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "multiproc: launches real multi-process jobs")
+    config.addinivalue_line("markers", "fault_matrix: the long fault-injection matrix")
