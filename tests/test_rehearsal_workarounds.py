@@ -1,0 +1,140 @@
+"""Each CPU-rehearsal workaround: still needed (Megatron fails without it) and still working.
+
+When a megatron-core upgrade removes a CUDA assumption, the "needed" test fails and says to
+retire the workaround; when an upgrade moves the assumption, the "works" test fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deadpool_megatron.rehearsal import WORKAROUNDS, CpuRehearsal, prepare_megatron_import
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only workarounds")
+TESTED = {
+    "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
+    "cuda-streams", "cuda-synchronize", "batch-p2p-sync",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world_of_one():
+    """megatron.core imported and its parallel state set up for a one-process gloo world."""
+    prepare_megatron_import()
+    from megatron.core import parallel_state as ps
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    yield
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def test_every_workaround_is_tested() -> None:
+    assert {w.name for w in WORKAROUNDS} == TESTED
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_paged_stash_import_needed_and_works() -> None:
+    bare = _python("import megatron.core.pipeline_parallel.schedules")
+    assert bare.returncode != 0 and "No module named 'triton'" in bare.stderr, (
+        "megatron.core now imports without triton: retire 'paged-stash-import'"
+    )
+    stubbed = _python(
+        "from deadpool_megatron.rehearsal import prepare_megatron_import\n"
+        "assert prepare_megatron_import()\n"
+        "import megatron.core.pipeline_parallel.schedules\n"
+        "from megatron.core.transformer.moe.ops import paged_stash as p\n"
+        "try:\n    p.paged_stash_copy_kernel()\nexcept RuntimeError as e:\n    print(e)\n"
+    )
+    assert stubbed.returncode == 0, stubbed.stderr
+    assert "needs triton" in stubbed.stdout
+
+
+def test_cpu_rng_tracker_needed_and_works() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        mrandom.CudaRNGStatesTracker().add("probe", 7)  # CUDA generator: absent on CPU torch
+    with CpuRehearsal():
+        mrandom.model_parallel_cuda_manual_seed(123)
+        tracker = mrandom.get_cuda_rng_tracker()
+        outside = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(4)
+        with tracker.fork("data-parallel-rng"):
+            b = torch.rand(4)
+        assert torch.equal(torch.get_rng_state(), outside)  # forks leave the default stream
+        assert not torch.equal(a, b)  # distinct named streams
+        mrandom.model_parallel_cuda_manual_seed(123)
+        with mrandom.get_cuda_rng_tracker().fork():
+            assert torch.equal(torch.rand(4), a)  # reseeding reproduces the stream
+
+
+def test_cuda_device_literals_needed_and_work() -> None:
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "probe")
+    with CpuRehearsal():
+        t = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "probe")
+        assert t.device.type == "cpu" and t.shape == (2, 3)
+        z = torch.zeros([], dtype=torch.int, device="cuda")
+        assert z.device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+
+
+def test_cuda_tensor_type_names_needed_and_work() -> None:
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    def param_with_grad() -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 2.0)
+        return p
+
+    with pytest.raises(AssertionError):
+        clip_grad_by_total_norm_fp32([param_with_grad()], max_norm=1.0, total_norm=4.0)
+    with CpuRehearsal():
+        p = param_with_grad()
+        clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+        assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
+        assert p.type() == "torch.cuda.FloatTensor"
+    assert param_with_grad().type() == "torch.FloatTensor"  # undone on exit
+
+
+def test_cuda_streams_needed_and_work() -> None:
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.current_stream()
+    with CpuRehearsal():
+        stream = torch.cuda.current_stream()
+        stream.wait_stream(stream)
+        stream.wait_event(None)
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.current_stream()  # restored
+
+
+def test_cuda_synchronize_needed_and_works() -> None:
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.synchronize()
+    with CpuRehearsal():
+        torch.cuda.synchronize()
+
+
+def test_batch_p2p_sync_switch_exists_and_is_used() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from deadpool_megatron.config import TrainConfig
+    from deadpool_megatron.integration.model import transformer_config
+
+    assert "batch_p2p_sync" in TransformerConfig.__dataclass_fields__
+    assert transformer_config(TrainConfig(), cpu_rehearsal=True).batch_p2p_sync is False
+    assert transformer_config(TrainConfig(), cpu_rehearsal=False).batch_p2p_sync is True
