@@ -191,7 +191,11 @@ def from_namespace(config_cls: type[C], ns: argparse.Namespace) -> C:
     return config_cls(**values)
 
 
-def parse_config(config_cls: type[C], argv: Sequence[str] | None, prog: str) -> C:
+def parse_configs(config_classes: Sequence[type], argv: Sequence[str] | None,
+                  prog: str) -> list[Any]:
+    """One parser for several config dataclasses; returns one instance of each."""
     parser = argparse.ArgumentParser(prog=prog)
-    add_arguments(parser, config_cls, "training")
-    return from_namespace(config_cls, parser.parse_args(argv))
+    for cls in config_classes:
+        add_arguments(parser, cls, cls.__name__)
+    ns = parser.parse_args(argv)
+    return [from_namespace(cls, ns) for cls in config_classes]

@@ -15,6 +15,11 @@ import torch
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.integration.model import TrainingObjects
+from deadpool_megatron.integration.rng_state import get_rng_state, set_rng_state
+from deadpool_megatron.integration.optimizer_state import (
+    inner_optimizers,
+    materialize_optimizer_state,
+)
 from deadpool_megatron.training.hooks import LoopState
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -38,45 +43,6 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def _rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def materialize_optimizer_state(optimizer: Any) -> None:
-    """Give a fresh optimizer its state tensors so that a loading state dict can be built.
-
-    torch's Adam creates its state lazily at the first step, and Megatron's distributed
-    optimizer (without apex/TE) cannot describe an empty state. A zero-gradient step creates
-    it; everything it touches is overwritten by the load that follows.
-    """
-    from deadpool_megatron.integration.fingerprint import inner_optimizers
-
-    for inner in inner_optimizers(optimizer):
-        if inner.state:
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                param.grad = torch.zeros_like(param)
-        with torch.no_grad():
-            inner.step()
-        inner.zero_grad(set_to_none=True)
-
-
 def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -> None:
     """Set every Adam state entry's `step` to the checkpoint's step, each its own tensor.
 
@@ -86,8 +52,6 @@ def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -
     also increment the shared tensor once per parameter). The common state's param groups
     hold the true step.
     """
-    from deadpool_megatron.integration.fingerprint import inner_optimizers
-
     common = loaded_optimizer_state.get("optimizer", {})
     steps = {g["step"] for g in common.get("param_groups", []) if "step" in g}
     if len(steps) != 1:
@@ -102,27 +66,27 @@ def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -
 class Checkpointer:
     """Saves every --save-interval iterations and loads from --load."""
 
-    def __init__(self, cfg: TrainConfig, objs: TrainingObjects) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.objs = objs
 
     def _sharded_state_dict(self, state: LoopState, is_loading: bool) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        model_sd = self.objs.model[0].module.sharded_state_dict()
+        objs: TrainingObjects = state.objects
+        model_sd = objs.model[0].module.sharded_state_dict()
         coords = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                   ps.get_data_parallel_rank())
         sizes = (ps.get_pipeline_model_parallel_world_size(),
                  ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
         return {
             "model": model_sd,
-            "optimizer": self.objs.optimizer.sharded_state_dict(
+            "optimizer": objs.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata=METADATA),
-            "opt_param_scheduler": self.objs.scheduler.state_dict(),
+            "opt_param_scheduler": objs.scheduler.state_dict(),
             "iteration": state.iteration,
             "consumed_samples": state.consumed_samples,
-            "rng_state": ShardedObject("rng_state", _rng_state(), sizes, coords, replica_id=0),
+            "rng_state": ShardedObject("rng_state", get_rng_state(), sizes, coords, replica_id=0),
         }
 
     def save(self, state: LoopState) -> str:
@@ -158,14 +122,15 @@ class Checkpointer:
                 log.info("no checkpoint under %s; starting from scratch", root)
             return False
         path = iteration_dir(root, iteration)
-        materialize_optimizer_state(self.objs.optimizer)
+        objs: TrainingObjects = state.objects
+        materialize_optimizer_state(objs.optimizer)
         loaded = dist_checkpointing.load(self._sharded_state_dict(state, is_loading=True), path)
         with torch.no_grad():  # fp32 main-param shards are views of the model's leaf params
-            self.objs.model[0].module.load_state_dict(loaded["model"])
-            self.objs.optimizer.load_state_dict(loaded["optimizer"])
-        restore_adam_steps(self.objs.optimizer, loaded["optimizer"])
-        self.objs.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        _set_rng_state(loaded["rng_state"])
+            objs.model[0].module.load_state_dict(loaded["model"])
+            objs.optimizer.load_state_dict(loaded["optimizer"])
+        restore_adam_steps(objs.optimizer, loaded["optimizer"])
+        objs.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        set_rng_state(loaded["rng_state"])
         state.iteration = int(loaded["iteration"])
         state.consumed_samples = int(loaded["consumed_samples"])
         if torch.distributed.get_rank() == 0:

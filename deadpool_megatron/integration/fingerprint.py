@@ -7,9 +7,11 @@ and the scheduler's step counter; the per-rank digests are combined in rank orde
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+
+from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
 
 
 def _hash_tensor(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
@@ -23,25 +25,6 @@ def _hash_value(h: "hashlib._Hash", name: str, value: Any) -> None:
         _hash_tensor(h, name, value)
     else:
         h.update(f"{name}={value!r}".encode())
-
-
-def inner_optimizers(optimizer: Any) -> list[Any]:
-    """The torch optimizers inside Megatron's (possibly chained) optimizer, in order."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [inner for opt in chained for inner in inner_optimizers(opt)]
-    return [optimizer.optimizer] if getattr(optimizer, "optimizer", None) is not None else []
-
-
-def iter_optimizer_tensors(optimizer: Any) -> Iterable[tuple[str, Any]]:
-    """(name, value) for every optimizer parameter and state entry, in a stable order."""
-    for oi, inner in enumerate(inner_optimizers(optimizer)):
-        for gi, group in enumerate(inner.param_groups):
-            for pi, param in enumerate(group["params"]):
-                prefix = f"opt{oi}.g{gi}.p{pi}"
-                yield f"{prefix}.param", param
-                for key in sorted(inner.state.get(param, {})):
-                    yield f"{prefix}.{key}", inner.state[param][key]
 
 
 def rank_digest(model: list[Any], optimizer: Any, scheduler: Any) -> bytes:

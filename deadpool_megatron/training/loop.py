@@ -10,7 +10,6 @@ import torch
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.integration.data import MicrobatchIterator
-from deadpool_megatron.integration.model import TrainingObjects
 from deadpool_megatron.integration.step import StepResult, train_step
 from deadpool_megatron.training.hooks import LoopState, TrainingHooks
 
@@ -39,9 +38,13 @@ def _log_iteration(cfg: TrainConfig, state: LoopState, result: StepResult, lr: f
     )
 
 
-def train(cfg: TrainConfig, objs: TrainingObjects, dataset: object, state: LoopState,
+def train(cfg: TrainConfig, dataset: object, state: LoopState,
           hooks: Sequence[TrainingHooks] = (), checkpointer: object = None) -> LoopState:
-    """Run iterations state.iteration+1 .. cfg.train_iters; returns the final state."""
+    """Run iterations state.iteration+1 .. cfg.train_iters; returns the final state.
+
+    The training objects are read from `state.objects` every iteration: a hook may replace
+    them (a restore from a snapshot builds fresh ones).
+    """
     from megatron.core import parallel_state as ps
 
     world = torch.distributed.get_world_size()
@@ -51,6 +54,7 @@ def train(cfg: TrainConfig, objs: TrainingObjects, dataset: object, state: LoopS
         h.on_train_start(state)
     while state.iteration < cfg.train_iters:
         start = time.perf_counter()
+        objs = state.objects
         batches = MicrobatchIterator(dataset, state.consumed_samples, num_mb,
                                      cfg.micro_batch_size, dp_rank, dp_size)
         result = train_step(
@@ -64,7 +68,7 @@ def train(cfg: TrainConfig, objs: TrainingObjects, dataset: object, state: LoopS
             h.after_iteration(state)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         if state.iteration % cfg.log_interval == 0:
-            lr = objs.optimizer.param_groups[0]["lr"]
+            lr = state.objects.optimizer.param_groups[0]["lr"]
             _log_iteration(cfg, state, result, lr, elapsed_ms)
         if checkpointer is not None and checkpointer.after_iteration(state):  # type: ignore[attr-defined]
             break

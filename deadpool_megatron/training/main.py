@@ -10,7 +10,8 @@ from typing import Sequence
 
 import torch
 
-from deadpool_megatron.config import ConfigError, TrainConfig, parse_config
+from deadpool_megatron.config import ConfigError, TrainConfig, parse_configs
+from deadpool_megatron.ft_config import DeadPoolConfig
 
 
 def _setup_logging() -> None:
@@ -27,10 +28,11 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging()
-    cfg = parse_config(TrainConfig, argv, prog="pretrain_gpt.py")
+    cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], argv, prog="pretrain_gpt.py")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg.validate(world)
+        ft.validate(world)
     except ConfigError as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
@@ -41,10 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_megatron_import()
     rehearsal = CpuRehearsal() if rehearsal_needed(cfg.distributed_backend) else None
     with rehearsal or contextlib.nullcontext():
-        return _run(cfg, world, cpu_rehearsal=rehearsal is not None)
+        return _run(cfg, ft, world, cpu_rehearsal=rehearsal is not None)
 
 
-def _run(cfg: TrainConfig, world: int, cpu_rehearsal: bool) -> int:
+def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) -> int:
     from deadpool_megatron.integration.checkpoint import Checkpointer
     from deadpool_megatron.integration.data import build_train_dataset
     from deadpool_megatron.integration.distributed import (
@@ -64,7 +66,7 @@ def _run(cfg: TrainConfig, world: int, cpu_rehearsal: bool) -> int:
         set_seeds(cfg.seed)
         objs = build_training_objects(cfg, cpu_rehearsal)
         state = LoopState(iteration=0, consumed_samples=0, objects=objs)
-        checkpointer = Checkpointer(cfg, objs)
+        checkpointer = Checkpointer(cfg)
         if cfg.load:
             checkpointer.load(state)
         if torch.distributed.get_rank() == 0:
@@ -77,7 +79,9 @@ def _run(cfg: TrainConfig, world: int, cpu_rehearsal: bool) -> int:
                 state.iteration,
             )
         initial = _param_copies(objs) if cfg.log_param_changes else None
-        train(cfg, objs, dataset, state, hooks=(), checkpointer=checkpointer)
+        hooks = deadpool_hooks(cfg, ft, world, cpu_rehearsal) if ft.deadpool else []
+        train(cfg, dataset, state, hooks=hooks, checkpointer=checkpointer)
+        objs = state.objects
         if initial is not None:
             _log_param_changes(objs, initial)
         fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
@@ -86,6 +90,32 @@ def _run(cfg: TrainConfig, world: int, cpu_rehearsal: bool) -> int:
     finally:
         destroy_process_groups()
     return 0
+
+
+def deadpool_hooks(cfg: TrainConfig, ft: DeadPoolConfig, world: int,
+                   cpu_rehearsal: bool) -> list:
+    """The fault-tolerance layer, as the hooks it adds to the training loop."""
+    from deadpool_megatron.faults.injector import FaultInjector
+    from deadpool_megatron.faults.spec import parse_fault, target_ranks
+    from deadpool_megatron.integration.model import build_training_objects
+    from deadpool_megatron.metrics.events import EventLog
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.snapshot.rehearsal import RestoreRehearsal
+    from deadpool_megatron.topology import ParallelSizes
+
+    rank = torch.distributed.get_rank()
+    sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
+                                     cfg.pipeline_model_parallel_size)
+    faults = [parse_fault(s) for s in ft.deadpool_inject]
+    mine = [f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
+    engine = SnapshotEngine(cfg, ft, FaultInjector(mine, rank),
+                            EventLog(ft.deadpool_events, rank))
+    hooks: list = [engine]
+    if ft.deadpool_verify_restore_at is not None:
+        hooks.append(RestoreRehearsal(
+            engine, ft.deadpool_verify_restore_at,
+            lambda: build_training_objects(cfg, cpu_rehearsal), cfg.use_distributed_optimizer))
+    return hooks
 
 
 def _param_copies(objs) -> list:

@@ -1,0 +1,48 @@
+"""Fire the faults aimed at this rank, at the phase and iteration they name, once each."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+from deadpool_megatron.faults.spec import FaultSpec
+
+log = logging.getLogger("deadpool_megatron.faults")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a 'raise' fault: an exception in the training code."""
+
+
+class FaultInjector:
+    """Holds this rank's faults; `fire(phase, iteration)` is called from the hooks."""
+
+    def __init__(self, faults: Sequence[FaultSpec], rank: int) -> None:
+        self._faults = list(faults)
+        self._rank = rank
+        self._fired: set[int] = set()
+
+    def pending(self, phase: str, iteration: int) -> FaultSpec | None:
+        for i, f in enumerate(self._faults):
+            if i not in self._fired and f.phase == phase and f.iteration == iteration:
+                return f
+        return None
+
+    def fire(self, phase: str, iteration: int) -> FaultSpec | None:
+        """Carry out a due fault; returns a 'corrupt' fault for the caller to apply."""
+        fault = self.pending(phase, iteration)
+        if fault is None:
+            return None
+        self._fired.add(self._faults.index(fault))
+        log.warning("injecting fault on rank %d: %s", self._rank, fault)
+        sys.stdout.flush()
+        if fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.action == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.action == "raise":
+            raise InjectedFault(f"injected fault on rank {self._rank}: {fault}")
+        return fault

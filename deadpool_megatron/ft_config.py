@@ -1,0 +1,81 @@
+"""DeadPool's own flags (`--deadpool...`), generated from this dataclass like TrainConfig's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from deadpool_megatron.config import ConfigError, flag
+
+
+@dataclass
+class DeadPoolConfig:
+    """Defaults are what a GPU-cluster user wants: snapshot every iteration, one failure
+    domain per host (torchrun's LOCAL_WORLD_SIZE), buddies always on another host."""
+
+    deadpool: bool = field(default=False, metadata=flag("Turn the fault-tolerance layer on."))
+    deadpool_snapshot_interval: int = field(
+        default=1, metadata=flag("Snapshot every N iterations.")
+    )
+    deadpool_ranks_per_node: int | None = field(
+        default=None,
+        metadata=flag("Ranks per failure domain (node); on one host, logical nodes. "
+                      "Default: the launcher's ranks per host (LOCAL_WORLD_SIZE)."),
+    )
+    deadpool_allow_same_node_buddy: bool = field(
+        default=False,
+        metadata=flag("Allow buddies on the same node (single-node jobs; no node-loss cover)."),
+    )
+    deadpool_snapshot_chunk_mb: float = field(
+        default=16.0, metadata=flag("Buddy transfers stream in chunks of this many MB.")
+    )
+    deadpool_snapshot_timeout: float = field(
+        default=120.0, metadata=flag("Seconds any snapshot transfer or commit may block.")
+    )
+    deadpool_inject: list[str] = field(
+        default_factory=list,
+        metadata=flag("Fault to inject, e.g. 'kill rank=5 iter=3 phase=backward' (repeatable).",
+                      repeatable=True),
+    )
+    deadpool_events: str | None = field(
+        default=None, metadata=flag("Write structured events (JSON lines) to this path.")
+    )
+    deadpool_verify_restore_at: int | None = field(
+        default=None,
+        metadata=flag("Rehearsal: at this iteration every rank replaces its live state by a "
+                      "fresh model restored from its buddy's committed snapshot."),
+    )
+
+    def ranks_per_node(self, world_size: int) -> int:
+        if self.deadpool_ranks_per_node is not None:
+            return self.deadpool_ranks_per_node
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+    def validate(self, world_size: int) -> None:
+        if not self.deadpool:
+            used = [f for f in ("deadpool_inject", "deadpool_verify_restore_at")
+                    if getattr(self, f)]
+            if used:
+                raise ConfigError(f"--{used[0].replace('_', '-')} needs --deadpool")
+            return
+        if self.deadpool_snapshot_interval <= 0:
+            raise ConfigError("--deadpool-snapshot-interval must be positive, got "
+                              f"{self.deadpool_snapshot_interval}")
+        if self.deadpool_snapshot_chunk_mb <= 0:
+            raise ConfigError("--deadpool-snapshot-chunk-mb must be positive")
+        if self.deadpool_snapshot_timeout <= 0:
+            raise ConfigError("--deadpool-snapshot-timeout must be positive")
+        # Placement errors (single node, ranks per node not dividing) come from topology.
+        from deadpool_megatron.faults.spec import parse_fault
+        from deadpool_megatron.topology import buddy_map
+
+        try:
+            buddy_map(world_size, self.ranks_per_node(world_size),
+                      self.deadpool_allow_same_node_buddy)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        for spec in self.deadpool_inject:
+            try:
+                parse_fault(spec)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err

@@ -1,0 +1,1 @@
+"""Structured events (one JSON object a line) and the reports built from them."""

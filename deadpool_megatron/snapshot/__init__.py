@@ -1,0 +1,1 @@
+"""In-memory ring-buddy snapshots of every rank's shard of the training state."""

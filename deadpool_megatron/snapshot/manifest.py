@@ -1,0 +1,115 @@
+"""What a rank's shard of the training state is, and how it maps onto one flat host buffer.
+
+The tensors: model parameters, then every optimizer state tensor (Adam moments, step) and
+every optimizer main parameter that is not the model parameter itself or a view into it
+(fp32 distributed-optimizer shards are views; copying them twice would waste bytes).
+The small objects (iteration, data position, scheduler, RNG streams) are pickled apart.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
+
+
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    offset: int  # bytes into the flat buffer
+    nbytes: int
+    dp_replicated: bool  # an identical copy lives on every data-parallel peer
+
+
+@dataclass
+class Manifest:
+    """The live tensors of a shard, in buffer order, and their layout."""
+
+    tensors: list[torch.Tensor]
+    entries: list[Entry]
+
+    @property
+    def nbytes(self) -> int:
+        return self.entries[-1].offset + self.entries[-1].nbytes if self.entries else 0
+
+    @property
+    def dp_replicated_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.dp_replicated)
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.untyped_storage().data_ptr()
+    return start, start + t.untyped_storage().nbytes()
+
+
+def _aliases_model(t: torch.Tensor, model_spans: list[tuple[int, int]]) -> bool:
+    ptr = t.data_ptr()
+    return any(lo <= ptr < hi for lo, hi in model_spans)
+
+
+def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool) -> Manifest:
+    """Enumerate the shard; the order is identical on any rank built with the same config."""
+    tensors: list[torch.Tensor] = []
+    entries: list[Entry] = []
+    offset = 0
+
+    def add(name: str, t: torch.Tensor, replicated: bool) -> None:
+        nonlocal offset
+        offset = -(-offset // ALIGN) * ALIGN  # every dtype view of the slice stays aligned
+        nbytes = t.numel() * t.element_size()
+        tensors.append(t)
+        entries.append(Entry(name, offset, nbytes, replicated))
+        offset += nbytes
+
+    model_params = [(f"model{ci}.{n}", p) for ci, c in enumerate(model)
+                    for n, p in c.named_parameters()]
+    spans = [_storage_span(p) for _, p in model_params]
+    for name, p in model_params:
+        # Parameters are the same on every data-parallel replica (all-reduced or all-gathered).
+        add(name, p.detach(), replicated=True)
+    for name, value in iter_optimizer_tensors(optimizer):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if name.endswith(".param") and _aliases_model(value, spans):
+            continue
+        # Without the distributed optimizer every replica holds the whole optimizer state.
+        add(name, value.detach(), replicated=not distributed_optimizer)
+    return Manifest(tensors=tensors, entries=entries)
+
+
+def pack_objects(objects: dict[str, Any]) -> bytes:
+    """Pickle the small state (tensors inside are cloned so later mutation cannot leak in)."""
+    buf = io.BytesIO()
+    torch.save(objects, buf)
+    return buf.getvalue()
+
+
+def unpack_objects(blob: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def copy_into(manifest: Manifest, flat: torch.Tensor, non_blocking: bool = False) -> None:
+    """Copy every live tensor into its slice of the flat uint8 host buffer."""
+    for t, e in zip(manifest.tensors, manifest.entries):
+        flat[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(
+            t, non_blocking=non_blocking)
+
+
+def restore_from(manifest: Manifest, flat: torch.Tensor) -> None:
+    """Copy a flat host buffer back into the live tensors (same layout required)."""
+    with torch.no_grad():
+        for t, e in zip(manifest.tensors, manifest.entries):
+            t.copy_(flat[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape))
+
+
+def layout_signature(manifest: Manifest) -> bytes:
+    """Names and sizes: a restore checks it so a mismatched layout is refused, not misread."""
+    return pickle.dumps([(e.name, e.offset, e.nbytes) for e in manifest.entries])

@@ -1,0 +1,54 @@
+"""Put a shard snapshot back into model, optimizer, scheduler, RNG and data position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deadpool_megatron.integration.model import TrainingObjects
+from deadpool_megatron.integration.optimizer_state import materialize_optimizer_state
+from deadpool_megatron.integration.rng_state import get_rng_state, set_rng_state
+from deadpool_megatron.snapshot.buffers import Slot
+from deadpool_megatron.snapshot.manifest import (
+    Manifest,
+    build_manifest,
+    layout_signature,
+    pack_objects,
+    restore_from,
+    unpack_objects,
+)
+
+
+class SnapshotMismatch(RuntimeError):
+    """The snapshot does not fit this rank's model/optimizer; refusing to load it."""
+
+
+def capture_objects(manifest: Manifest, objs: TrainingObjects, iteration: int,
+                    consumed_samples: int) -> bytes:
+    """The small state at an iteration boundary, pickled (RNG tensors are copies)."""
+    rng = get_rng_state()
+    rng["tracker"] = {k: v.clone() for k, v in rng["tracker"].items()}
+    return pack_objects({
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "scheduler": objs.scheduler.state_dict(),
+        "rng": rng,
+        "layout": layout_signature(manifest),
+    })
+
+
+def restore_shard(objs: TrainingObjects, slot: Slot, distributed_optimizer: bool) -> dict[str, Any]:
+    """Load `slot` (already checksum-verified) into `objs`; returns its small objects."""
+    if not slot.verify():
+        raise SnapshotMismatch(f"snapshot of generation {slot.generation} fails its checksum")
+    materialize_optimizer_state(objs.optimizer)
+    manifest = build_manifest(objs.model, objs.optimizer, distributed_optimizer)
+    objects = unpack_objects(slot.objects)
+    if objects["layout"] != layout_signature(manifest):
+        raise SnapshotMismatch(
+            f"snapshot of generation {slot.generation} was taken from a different model or "
+            f"optimizer layout ({slot.flat.numel()} bytes vs {manifest.nbytes} here)")
+    restore_from(manifest, slot.flat)
+    objs.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved steps
+    objs.scheduler.load_state_dict(objects["scheduler"])
+    set_rng_state(objects["rng"])
+    return objects

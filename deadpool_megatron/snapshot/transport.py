@@ -1,0 +1,99 @@
+"""Buddy transfer over the snapshot process group (gloo, host memory to host memory).
+
+Every rank sends its own snapshot to its buddy and receives its ward's at the same time.
+A header (generation, CRC, sizes) goes first, then the pickled objects, then the tensor
+bytes in chunks, so a large shard streams and a sender that dies mid-way leaves a torn copy
+that the receiver detects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from deadpool_megatron.snapshot.buffers import Slot, checksum
+
+
+class TornTransfer(RuntimeError):
+    """The peer went away or the bytes did not verify; the copy is not usable."""
+
+
+@dataclass(frozen=True)
+class Header:
+    generation: int
+    crc: int
+    objects_len: int
+    flat_len: int
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([self.generation, self.crc, self.objects_len, self.flat_len],
+                            dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Header":
+        g, c, o, f = (int(x) for x in t.tolist())
+        return cls(g, c, o, f)
+
+
+def _exchange(group: Any, send: torch.Tensor | None, dst: int,
+              recv: torch.Tensor | None, src: int) -> None:
+    reqs = []
+    if send is not None:
+        reqs.append(dist.isend(send, dst=dst, group=group))
+    if recv is not None:
+        reqs.append(dist.irecv(recv, src=src, group=group))
+    for r in reqs:
+        r.wait()
+
+
+def exchange(group: Any, outgoing: Slot | None, buddy: int, incoming: Slot | None, ward: int,
+             chunk_bytes: int, after_first_chunk: Callable[[], None] = lambda: None) -> None:
+    """Send `outgoing` to `buddy` while receiving into `incoming` from `ward`.
+
+    Either side may be None (one-way transfer, used by restores). On return `incoming`
+    holds a verified copy; otherwise TornTransfer is raised and it holds generation -1.
+    """
+    try:
+        in_hdr = torch.zeros(4, dtype=torch.int64) if incoming is not None else None
+        out_hdr = None
+        if outgoing is not None:
+            out_hdr = Header(outgoing.generation, outgoing.crc, len(outgoing.objects),
+                             outgoing.flat.numel()).tensor()
+        _exchange(group, out_hdr, buddy, in_hdr, ward)
+        header = Header.from_tensor(in_hdr) if in_hdr is not None else None
+        if incoming is not None and header is not None:
+            if header.flat_len != incoming.flat.numel():
+                raise TornTransfer(f"ward {ward} sent {header.flat_len} bytes, expected "
+                                   f"{incoming.flat.numel()}: shard layouts differ")
+        out_obj = (torch.frombuffer(bytearray(outgoing.objects), dtype=torch.uint8)
+                   if outgoing is not None and outgoing.objects else None)
+        in_obj = (torch.empty(header.objects_len, dtype=torch.uint8)
+                  if header is not None and header.objects_len else None)
+        _exchange(group, out_obj, buddy, in_obj, ward)
+        total = max(outgoing.flat.numel() if outgoing is not None else 0,
+                    incoming.flat.numel() if incoming is not None else 0)
+        for i, start in enumerate(range(0, total, chunk_bytes)):
+            stop = start + chunk_bytes
+            send = outgoing.flat[start:stop] if outgoing is not None else None
+            recv = incoming.flat[start:stop] if incoming is not None else None
+            _exchange(group, send if send is not None and send.numel() else None, buddy,
+                      recv if recv is not None and recv.numel() else None, ward)
+            if i == 0:
+                after_first_chunk()
+    except RuntimeError as err:
+        if incoming is not None:
+            incoming.generation = -1
+        if isinstance(err, TornTransfer):
+            raise
+        raise TornTransfer(f"transfer with buddy {buddy} / ward {ward} failed: {err}") from err
+    if incoming is not None and header is not None:
+        incoming.objects = bytes(in_obj.numpy()) if in_obj is not None else b""
+        incoming.crc = header.crc
+        if checksum(incoming.flat, incoming.objects) != header.crc:
+            incoming.generation = -1
+            raise TornTransfer(f"checksum mismatch for generation {header.generation} "
+                               f"from ward {ward}")
+        incoming.generation = header.generation
