@@ -1,0 +1,102 @@
+"""Snapshot building blocks without processes: buffers, manifest, fault specs, flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deadpool_megatron.config import ConfigError
+from deadpool_megatron.faults.spec import FaultSpecError, parse_fault, target_ranks
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.snapshot.buffers import DoubleBuffer, checksum
+from deadpool_megatron.snapshot.manifest import build_manifest, copy_into, restore_from
+from deadpool_megatron.topology import ParallelSizes
+
+
+def _write(buf: DoubleBuffer, gen: int, fill: int) -> None:
+    slot = buf.begin_write()
+    slot.flat.fill_(fill)
+    slot.objects, slot.generation = b"o", gen
+    slot.crc = checksum(slot.flat, slot.objects)
+
+
+def test_committed_slot_survives_any_number_of_failed_generations() -> None:
+    buf = DoubleBuffer.allocate(16)
+    _write(buf, 1, 1)
+    buf.commit(1)
+    for gen in range(2, 6):  # written, never committed (torn, corrupted...)
+        _write(buf, gen, gen)
+    slot = buf.committed_slot()
+    assert slot is not None and slot.generation == 1 and slot.verify()
+    assert bool((slot.flat == 1).all())
+    _write(buf, 6, 6)
+    buf.commit(6)
+    assert buf.committed_slot().generation == 6
+
+
+def test_commit_checks_the_generation_and_crc_detects_a_flipped_bit() -> None:
+    buf = DoubleBuffer.allocate(16)
+    _write(buf, 1, 7)
+    with pytest.raises(ValueError):
+        buf.commit(2)
+    buf.commit(1)
+    slot = buf.committed_slot()
+    slot.flat[3] ^= 1
+    assert not slot.verify()
+
+
+def test_manifest_skips_optimizer_views_of_model_params_and_round_trips() -> None:
+    model = torch.nn.Linear(8, 4)
+    flat_params = [p.detach().view(-1) for p in model.parameters()]  # like fp32 dist-opt main shards
+    opt = torch.optim.Adam(flat_params, lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    for v, p in zip(flat_params, model.parameters()):
+        v.grad = p.grad.view(-1)
+    opt.step()
+    holder = type("O", (), {"optimizer": opt})()
+    m = build_manifest([model], holder, distributed_optimizer=True)
+    names = [e.name for e in m.entries]
+    assert not any(n.endswith(".param") for n in names)  # views were skipped
+    assert sum(n.endswith("exp_avg") for n in names) == 2
+    flat = torch.empty(m.nbytes, dtype=torch.uint8)
+    copy_into(m, flat)
+    saved = [t.clone() for t in m.tensors]
+    with torch.no_grad():
+        for t in m.tensors:
+            t.add_(1)
+    restore_from(m, flat)
+    assert all(torch.equal(a, b) for a, b in zip(saved, m.tensors))
+    assert m.dp_replicated_bytes == sum(e.nbytes for e in m.entries if e.name.startswith("model"))
+
+
+@pytest.mark.parametrize("text, ranks", [
+    ("kill rank=5 iter=3 phase=backward", [5]),
+    ("hang node=1 iter=2 phase=forward", [4, 5, 6, 7]),
+    ("raise tp=1,pp=0,dp=1 iter=1 phase=optimizer", [3]),
+    ("kill pp=1 iter=1 phase=forward", [4, 5, 6, 7]),
+])
+def test_fault_targets(text: str, ranks: list[int]) -> None:
+    sizes = ParallelSizes(tp=2, pp=2, dp=2)
+    assert target_ranks(parse_fault(text), sizes, ranks_per_node=4) == ranks
+
+
+@pytest.mark.parametrize("text, message", [
+    ("explode rank=1 iter=1 phase=forward", "ACTION"),
+    ("kill rank=1 iter=1 phase=lunch", "unknown phase"),
+    ("kill rank=1 node=0 iter=1 phase=forward", "exactly one target"),
+    ("kill rank=1 phase=forward", "iter= and phase= are required"),
+    ("corrupt rank=1 iter=1 phase=forward", "phase=snapshot"),
+])
+def test_bad_fault_specs_say_what_to_write(text: str, message: str) -> None:
+    with pytest.raises(FaultSpecError, match=message):
+        parse_fault(text)
+
+
+def test_single_node_buddies_refused_unless_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="--deadpool-ranks-per-node"):
+        DeadPoolConfig(deadpool=True).validate(8)
+    DeadPoolConfig(deadpool=True, deadpool_allow_same_node_buddy=True).validate(8)
+    DeadPoolConfig(deadpool=True, deadpool_ranks_per_node=4).validate(8)
+    with pytest.raises(ConfigError, match="needs --deadpool"):
+        DeadPoolConfig(deadpool_inject=["kill rank=1 iter=1 phase=forward"]).validate(8)
