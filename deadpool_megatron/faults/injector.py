@@ -9,6 +9,8 @@ import sys
 from typing import Sequence
 
 from deadpool_megatron.faults.spec import FaultSpec
+from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.training.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.faults")
 
@@ -20,10 +22,16 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     """Holds this rank's faults; `fire(phase, iteration)` is called from the hooks."""
 
-    def __init__(self, faults: Sequence[FaultSpec], rank: int) -> None:
+    def __init__(self, faults: Sequence[FaultSpec], rank: int,
+                 events: EventLog | None = None) -> None:
         self._faults = list(faults)
         self._rank = rank
+        self._events = events
         self._fired: set[int] = set()
+
+    def hooks(self) -> TrainingHooks:
+        """The training-loop side: forward, backward and optimizer phases."""
+        return _FaultHooks(self)
 
     def pending(self, phase: str, iteration: int) -> FaultSpec | None:
         for i, f in enumerate(self._faults):
@@ -38,6 +46,9 @@ class FaultInjector:
             return None
         self._fired.add(self._faults.index(fault))
         log.warning("injecting fault on rank %d: %s", self._rank, fault)
+        if self._events is not None:
+            self._events.emit("fault_injected", fault=str(fault), phase=phase,
+                              iteration=iteration)
         sys.stdout.flush()
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -46,3 +57,15 @@ class FaultInjector:
         elif fault.action == "raise":
             raise InjectedFault(f"injected fault on rank {self._rank}: {fault}")
         return fault
+
+
+class _FaultHooks(TrainingHooks):
+    def __init__(self, injector: FaultInjector) -> None:
+        self.injector = injector
+
+    def on_phase(self, phase: str, state: LoopState) -> None:
+        # `state.iteration` counts completed iterations; faults name the running one.
+        self.injector.fire(phase, state.iteration + 1)
+
+    def before_optimizer_step(self, state: LoopState) -> None:
+        self.injector.fire("optimizer", state.iteration + 1)

@@ -19,13 +19,23 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[to
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
+def _forward_step(phase_hook: Callable[[str], None], seen: list[bool],
+                  data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
+    first = not seen
+    seen.append(True)
+    if first:
+        phase_hook("forward")
     batch = next(data_iterator)
     device = next(model.parameters()).device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
+    if first and output.requires_grad:
+        def _backward_started(grad: torch.Tensor) -> None:
+            phase_hook("backward")
+
+        output.register_hook(_backward_started)
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -38,7 +48,8 @@ class StepResult:
 
 def train_step(objs: TrainingObjects, data_iterator: Iterator, num_microbatches: int,
                seq_length: int, micro_batch_size: int,
-               before_optimizer_step: Callable[[], None] = lambda: None) -> StepResult:
+               before_optimizer_step: Callable[[], None] = lambda: None,
+               phase_hook: Callable[[str], None] = lambda phase: None) -> StepResult:
     """Forward and backward over all micro-batches, then the optimizer step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -46,7 +57,7 @@ def train_step(objs: TrainingObjects, data_iterator: Iterator, num_microbatches:
         chunk.zero_grad_buffer()
     objs.optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=partial(_forward_step, phase_hook, []),
         data_iterator=data_iterator,
         model=objs.model,
         num_microbatches=num_microbatches,

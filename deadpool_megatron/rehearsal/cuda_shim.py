@@ -89,6 +89,10 @@ class CpuRehearsal:
         self._mode.__enter__()
         return self
 
+    def thread_mode(self) -> TorchFunctionMode:
+        """Torch function modes are per thread: a training thread enters its own."""
+        return _CudaOnCpuMode()
+
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
         if self._saved_tracker is not None:

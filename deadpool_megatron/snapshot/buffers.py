@@ -65,6 +65,25 @@ class DoubleBuffer:
         self.committed = self._writing
         self._writing = None
 
+    def find(self, generation: int) -> Slot | None:
+        """A slot holding `generation` whose CRC verifies (committed or not)."""
+        for slot in self.slots:
+            if slot.generation == generation and slot.verify():
+                return slot
+        return None
+
+    def available(self) -> list[int]:
+        """Generations held completely (CRC verified), newest first."""
+        return sorted((s.generation for s in self.slots if s.verify()), reverse=True)
+
+    def renew_uncommitted(self) -> None:
+        """Replace every slot but the committed one by a fresh one, so that a worker thread
+        abandoned with a broken generation can never write into a slot in use again."""
+        for i, slot in enumerate(self.slots):
+            if i != self.committed:
+                self.slots[i] = Slot(torch.empty_like(slot.flat))
+        self._writing = None
+
     def committed_slot(self) -> Slot | None:
         return None if self.committed is None else self.slots[self.committed]
 

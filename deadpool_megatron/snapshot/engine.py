@@ -51,6 +51,22 @@ class _Job:
 
 
 @dataclass
+class _Pipeline:
+    """One generation's worker and its group. A broken generation's worker may stay blocked
+    in gloo long after recovery; it only ever touches this object and its own slots."""
+
+    group: Any
+    queue: "queue.Queue[_Job | None]" = field(default_factory=queue.Queue)
+    idle: threading.Event = field(default_factory=threading.Event)
+    job: _Job | None = None
+    failure: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+@dataclass
 class SnapshotStats:
     """Cost accounting, all per rank."""
 
@@ -70,26 +86,40 @@ class SnapshotEngine(TrainingHooks):
         self.injector, self.events = injector, events
         self.stats = SnapshotStats()
         self.committed_generation: int | None = None
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._job: _Job | None = None
-        self._failure: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self.pipe: _Pipeline | None = None
         self._cuda = torch.cuda.is_available()
         self._side_stream: Any = None
+        self.own: DoubleBuffer | None = None
+        self.ward_buffer: DoubleBuffer | None = None
+        self.timeout = timedelta(seconds=ft.deadpool_snapshot_timeout)
 
     # -- set-up -------------------------------------------------------------------------
     def on_train_start(self, state: LoopState) -> None:
+        if self.pipe is None:
+            self.open_generation()
+
+    def open_generation(self) -> None:
+        """(Re)connect to the current process groups; host buffers are kept across
+        generations, they are what recovery restores from. Collective."""
+        self.abandon()
         self.rank, world = dist.get_rank(), dist.get_world_size()
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
-        self.timeout = timedelta(seconds=self.ft.deadpool_snapshot_timeout)
         # A group of its own: snapshot traffic never queues behind (or blocks) training's.
-        self.group = dist.new_group(backend="gloo", timeout=self.timeout)
-        self.own: DoubleBuffer | None = None
+        self.pipe = _Pipeline(group=dist.new_group(backend="gloo", timeout=self.timeout))
+
+    @property
+    def group(self) -> Any:
+        assert self.pipe is not None, "no snapshot generation is open"
+        return self.pipe.group
+
+    def abandon(self) -> None:
+        """Forget the current generation's worker without waiting for it (see _Pipeline)."""
+        if self.pipe is not None and self.pipe.thread is not None:
+            self.pipe.queue.put(None)
+        self.pipe = None
 
     def _start(self, state: LoopState) -> None:
         """At the first snapshot: torch's Adam creates its state at the first step, so the
@@ -98,12 +128,13 @@ class SnapshotEngine(TrainingHooks):
         self.attach(state)
         sizes: list[Any] = [None] * world
         dist.all_gather_object(sizes, self.manifest.nbytes, group=self.group)
-        self.ward_buffer = DoubleBuffer.allocate(sizes[self.ward], pin=self._cuda)
-        if self._cuda:
+        if self.ward_buffer is None or self.ward_buffer.slots[0].flat.numel() != sizes[self.ward]:
+            self.ward_buffer = DoubleBuffer.allocate(sizes[self.ward], pin=self._cuda)
+        if self._cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
-        self._thread = threading.Thread(target=self._work, name="deadpool-snapshot",
-                                        daemon=True)
-        self._thread.start()
+        self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),
+                                            name="deadpool-snapshot", daemon=True)
+        self.pipe.thread.start()
         if self.rank == 0 or self.rank == world - 1:
             log.info(
                 "deadpool snapshots: every %d iteration(s); rank %d -> buddy %d; %.2f MB per "
@@ -135,27 +166,30 @@ class SnapshotEngine(TrainingHooks):
         self._raise_if_failed()
         if state.iteration % self.ft.deadpool_snapshot_interval != 0:
             return
-        if self._thread is None:
+        if self.pipe is None:
+            self.open_generation()
+        pipe = self.pipe
+        if pipe.thread is None:
             self._start(state)
-        self._wait(self._idle, "the previous snapshot to commit")
+        self._wait(pipe.idle, "the previous snapshot to commit")
         job = _Job(generation=state.iteration,
                    objects=capture_objects(self.manifest, state.objects, state.iteration,
                                            state.consumed_samples))
         if self._cuda:
             job.ready = torch.cuda.Event()
             job.ready.record(torch.cuda.current_stream())
-        self._idle.clear()
-        self._job = job
-        self._queue.put(job)
+        pipe.idle.clear()
+        pipe.job = job
+        pipe.queue.put(job)
 
     def before_optimizer_step(self, state: LoopState) -> None:
-        job = self._job
+        job = self.pipe.job if self.pipe is not None else None
         if job is not None:
             self._wait(job.copied, f"the local copy of generation {job.generation}")
         self._raise_if_failed()
 
     def on_train_end(self, state: LoopState) -> None:
-        if self._thread is None:
+        if self.pipe is None or self.pipe.thread is None:
             return
         self.drain()
         self.stop()
@@ -172,14 +206,16 @@ class SnapshotEngine(TrainingHooks):
 
     def drain(self) -> None:
         """Wait until the in-flight generation is committed or abandoned."""
-        self._wait(self._idle, "the last snapshot to commit")
+        if self.pipe is not None:
+            self._wait(self.pipe.idle, "the last snapshot to commit")
         self._raise_if_failed()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=self.timeout.total_seconds())
-            self._thread = None
+        """End the worker of a healthy generation (it is idle: joining is immediate)."""
+        pipe, self.pipe = self.pipe, None
+        if pipe is not None and pipe.thread is not None:
+            pipe.queue.put(None)
+            pipe.thread.join(timeout=self.timeout.total_seconds())
 
     def committed_slots(self) -> tuple[Slot | None, Slot | None]:
         """(own, ward) slots of the latest committed generation."""
@@ -200,22 +236,24 @@ class SnapshotEngine(TrainingHooks):
         return incoming
 
     # -- worker thread ---------------------------------------------------------------------
-    def _work(self) -> None:
+    def _work(self, pipe: _Pipeline) -> None:
         while True:
-            job = self._queue.get()
+            job = pipe.queue.get()
             if job is None:
                 return
             try:
-                self._snapshot(job)
+                self._snapshot(job, pipe.group)
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
-                self._failure = err
+                pipe.failure = err
                 job.copied.set()
-                self.events.emit("snapshot_failed", generation=job.generation, error=str(err))
-                log.error("rank %d: snapshot of generation %d failed: %s", self.rank,
-                          job.generation, err)
-                self._idle.set()
+                if self.pipe is pipe:
+                    self.events.emit("snapshot_failed", generation=job.generation,
+                                     error=str(err)[:300])
+                    log.error("rank %d: snapshot of generation %d failed: %s", self.rank,
+                              job.generation, str(err)[:200])
+                pipe.idle.set()
                 return
-            self._idle.set()
+            pipe.idle.set()
 
     def _copy(self, job: _Job, slot: Slot) -> None:
         t0 = time.perf_counter()
@@ -229,7 +267,7 @@ class SnapshotEngine(TrainingHooks):
         self.stats.copy_s += time.perf_counter() - t0
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
 
-    def _snapshot(self, job: _Job) -> None:
+    def _snapshot(self, job: _Job, group: Any) -> None:
         own = self.own.begin_write()
         self._copy(job, own)
         job.copied.set()
@@ -245,7 +283,7 @@ class SnapshotEngine(TrainingHooks):
         t0 = time.perf_counter()
         ok = True
         try:
-            exchange(self.group, own, self.buddy, incoming, self.ward,
+            exchange(group, own, self.buddy, incoming, self.ward,
                      chunk_bytes=max(1, int(self.ft.deadpool_snapshot_chunk_mb * MB)),
                      after_first_chunk=lambda: self.injector.fire("snapshot", job.generation))
         except TornTransfer as err:
@@ -257,7 +295,7 @@ class SnapshotEngine(TrainingHooks):
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() + len(own.objects)
         verdict = torch.tensor([job.generation if ok else -1], dtype=torch.int64)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
         if int(verdict) == job.generation:
             self.own.commit(job.generation)
             self.ward_buffer.commit(job.generation)
@@ -294,6 +332,7 @@ class SnapshotEngine(TrainingHooks):
         self.stats.main_wait_s += time.perf_counter() - t0
 
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
+        failure = self.pipe.failure if self.pipe is not None else None
+        if failure is not None:
             raise SnapshotError(f"rank {self.rank}: snapshot pipeline failed: "
-                                f"{self._failure}") from self._failure
+                                f"{failure}") from failure

@@ -25,6 +25,9 @@ class TrainingHooks:
     def on_train_start(self, state: LoopState) -> None:
         """After the model, optimizer and data position exist (fresh, loaded or restored)."""
 
+    def on_phase(self, phase: str, state: LoopState) -> None:
+        """'forward' at the first micro-batch's forward, 'backward' during its backward."""
+
     def before_optimizer_step(self, state: LoopState) -> None:
         """Between backward and the optimizer step: the last point before state mutates."""
 

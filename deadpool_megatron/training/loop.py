@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from functools import partial
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -38,8 +39,14 @@ def _log_iteration(cfg: TrainConfig, state: LoopState, result: StepResult, lr: f
     )
 
 
+def _each(calls: Iterable[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
+
+
 def train(cfg: TrainConfig, dataset: object, state: LoopState,
-          hooks: Sequence[TrainingHooks] = (), checkpointer: object = None) -> LoopState:
+          hooks: Sequence[TrainingHooks] = (), checkpointer: object = None,
+          on_iteration: Callable[[LoopState], None] = lambda state: None) -> LoopState:
     """Run iterations state.iteration+1 .. cfg.train_iters; returns the final state.
 
     The training objects are read from `state.objects` every iteration: a hook may replace
@@ -59,13 +66,16 @@ def train(cfg: TrainConfig, dataset: object, state: LoopState,
                                      cfg.micro_batch_size, dp_rank, dp_size)
         result = train_step(
             objs, batches, num_mb, cfg.seq_length, cfg.micro_batch_size,
-            before_optimizer_step=lambda: [h.before_optimizer_step(state) for h in hooks],
+            before_optimizer_step=lambda: _each(partial(h.before_optimizer_step, state)
+                                                for h in hooks),
+            phase_hook=lambda phase: _each(partial(h.on_phase, phase, state) for h in hooks),
         )
         objs.scheduler.step(increment=cfg.global_batch_size)
         state.iteration += 1
         state.consumed_samples += cfg.global_batch_size
         for h in hooks:
             h.after_iteration(state)
+        on_iteration(state)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         if state.iteration % cfg.log_interval == 0:
             lr = state.objects.optimizer.param_groups[0]["lr"]

@@ -37,13 +37,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.num_threads)
+    from deadpool_megatron.control.client import ControlClient
+
+    # Under deadpool-launch: heartbeats start now, before the long imports.
+    ctl = ControlClient.from_env() if ft.deadpool else None
 
     from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import, rehearsal_needed
 
     prepare_megatron_import()
     rehearsal = CpuRehearsal() if rehearsal_needed(cfg.distributed_backend) else None
     with rehearsal or contextlib.nullcontext():
+        if ctl is not None:
+            thread_context = rehearsal.thread_mode if rehearsal else contextlib.nullcontext
+            return _run_elastic(cfg, ft, ctl, rehearsal is not None, thread_context)
         return _run(cfg, ft, world, cpu_rehearsal=rehearsal is not None)
+
+
+def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
+                 thread_context) -> int:
+    from deadpool_megatron.integration.data import build_train_dataset
+    from deadpool_megatron.training.elastic import run_elastic
+
+    dataset = build_train_dataset(cfg, cfg.train_iters * cfg.global_batch_size)
+    rc = run_elastic(cfg, ft, ctl, dataset, cpu_rehearsal, finish=_finish,
+                     thread_context=thread_context)
+    ctl.close()
+    # Threads of broken generations may still sit in gloo; their groups' destructors would
+    # block interpreter shutdown, so leave now that everything is flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _finish(state) -> None:
+    from deadpool_megatron.integration.fingerprint import job_fingerprint
+
+    objs = state.objects
+    fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
+    if torch.distributed.get_rank() == 0:
+        print(f"state fingerprint: {fingerprint}", flush=True)
 
 
 def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) -> int:
@@ -54,7 +86,6 @@ def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) 
         init_process_groups,
         set_seeds,
     )
-    from deadpool_megatron.integration.fingerprint import job_fingerprint
     from deadpool_megatron.integration.model import build_training_objects
     from deadpool_megatron.training.hooks import LoopState
     from deadpool_megatron.training.loop import train
@@ -81,12 +112,9 @@ def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) 
         initial = _param_copies(objs) if cfg.log_param_changes else None
         hooks = deadpool_hooks(cfg, ft, world, cpu_rehearsal) if ft.deadpool else []
         train(cfg, dataset, state, hooks=hooks, checkpointer=checkpointer)
-        objs = state.objects
         if initial is not None:
-            _log_param_changes(objs, initial)
-        fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
-        if torch.distributed.get_rank() == 0:
-            print(f"state fingerprint: {fingerprint}", flush=True)
+            _log_param_changes(state.objects, initial)
+        _finish(state)
     finally:
         destroy_process_groups()
     return 0
@@ -108,9 +136,10 @@ def deadpool_hooks(cfg: TrainConfig, ft: DeadPoolConfig, world: int,
                                      cfg.pipeline_model_parallel_size)
     faults = [parse_fault(s) for s in ft.deadpool_inject]
     mine = [f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
-    engine = SnapshotEngine(cfg, ft, FaultInjector(mine, rank),
-                            EventLog(ft.deadpool_events, rank))
-    hooks: list = [engine]
+    events = EventLog(ft.deadpool_events, rank)
+    injector = FaultInjector(mine, rank, events)
+    engine = SnapshotEngine(cfg, ft, injector, events)
+    hooks: list = [engine, injector.hooks()]
     if ft.deadpool_verify_restore_at is not None:
         hooks.append(RestoreRehearsal(
             engine, ft.deadpool_verify_restore_at,

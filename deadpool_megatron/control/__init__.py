@@ -1,0 +1,1 @@
+"""Control plane: membership, heartbeats, failure declaration and generations."""

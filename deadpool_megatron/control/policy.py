@@ -1,0 +1,50 @@
+"""Recovery policies as pure functions over plain data (testable at 100,000 ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deadpool_megatron.topology import lost_shards
+
+
+class RecoveryImpossible(RuntimeError):
+    """Hot-swap cannot restore the job; the message names ranks and generation."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    generation: int  # the generation this membership opens
+    rank_to_worker: dict[int, str]  # global rank -> worker id ("w3", "s1", ...)
+    replaced: dict[int, str]  # failed rank -> the spare that takes its place
+
+
+def assign_spares(generation: int, current: dict[int, str], failed: set[int],
+                  free_spares: list[str]) -> Assignment:
+    """Give each failed rank (lowest first) the next free spare, in launch order."""
+    if len(failed) > len(free_spares):
+        raise RecoveryImpossible(
+            f"generation {generation}: ranks {sorted(failed)} failed but only "
+            f"{len(free_spares)} spare(s) remain ({free_spares}); start the job with more "
+            f"--spares")
+    replaced = {rank: free_spares[i] for i, rank in enumerate(sorted(failed))}
+    members = {**current, **replaced}
+    return Assignment(generation + 1, members, replaced)
+
+
+def check_recoverable(generation: int, failed: set[int], world_size: int,
+                      ranks_per_node: int, allow_same_node: bool) -> None:
+    """Refuse when a failed rank's buddy copy died too (shard and copy both lost)."""
+    lost = lost_shards(failed, world_size, ranks_per_node, allow_same_node)
+    if lost:
+        raise RecoveryImpossible(
+            f"generation {generation}: the in-memory shards of ranks {sorted(lost)} are lost "
+            f"(each rank and the buddy holding its copy failed together: failed ranks "
+            f"{sorted(failed)})")
+
+
+def common_generation(committed: list[int | None]) -> int | None:
+    """The newest generation every survivor can restore: the minimum of their commits."""
+    known = [c for c in committed if c is not None]
+    if not known or len(known) != len(committed):
+        return None
+    return min(known)

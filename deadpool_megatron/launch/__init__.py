@@ -1,0 +1,1 @@
+"""deadpool-launch: torchrun-shaped launcher with warm spares and a control plane."""

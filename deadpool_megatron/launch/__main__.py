@@ -1,0 +1,5 @@
+import sys
+
+from deadpool_megatron.launch.launcher import main
+
+sys.exit(main())

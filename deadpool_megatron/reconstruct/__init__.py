@@ -1,0 +1,1 @@
+"""Rebuilding process groups and state after a failure."""

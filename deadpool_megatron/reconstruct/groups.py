@@ -1,0 +1,81 @@
+"""Process groups per generation: join under a fresh store prefix, abort, destroy.
+
+Every generation's default group and Megatron-Core groups live under the store prefix
+`dp/gen{g}/pg/`, so nothing of a dead generation (keys, sockets, sequence numbers) can be
+confused with the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.client import ControlClient
+
+log = logging.getLogger("deadpool_megatron.reconstruct")
+
+
+def live_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process holds (default, Megatron's, snapshot's)."""
+    return list(c10d._world.pg_map.keys()) if dist.is_initialized() else []
+
+
+def leave_generation() -> None:
+    """Drop every group of this generation without waiting for anything.
+
+    With gloo, no call frees a collective that another thread of this process is blocked
+    in (abort and shutdown only take effect once that work ends), so the training thread of
+    a broken generation is abandoned, not joined: it errors out on its own when its peers'
+    sockets close or its timeout passes. `_abort_process_group` on the default group
+    returns at once and forgets every group, so the next generation starts clean; with
+    NCCL it also aborts the communicators, which does free blocked kernels.
+    """
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        try:
+            c10d._abort_process_group(c10d._get_default_group())
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    c10d._world.pg_map.clear() if dist.is_initialized() else None
+
+
+def destroy_all_groups() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: int,
+                    cfg: TrainConfig) -> bool:
+    """Rendezvous of one generation, then the default and every Megatron group.
+
+    False if a newer generation was declared while waiting (a failure during recovery).
+    """
+    from megatron.core import parallel_state as ps
+
+    if not ctl.rendezvous(generation, world_size):
+        return False
+    store = dist.PrefixStore(keys.pg_prefix(generation), ctl.store)
+    dist.init_process_group(backend=cfg.distributed_backend, store=store, rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
+    if cfg.distributed_backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+    )
+    return True

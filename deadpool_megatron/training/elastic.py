@@ -1,0 +1,179 @@
+"""The generation loop of a worker under deadpool-launch: train until done; on a failure,
+leave the broken generation, join the next one, restore state, and go on.
+
+Survivors and spares run the same code: a spare simply starts by waiting for a rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+import time
+from functools import partial
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.control.client import ControlClient, JobShutdown
+from deadpool_megatron.control.policy import RecoveryImpossible
+from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.reconstruct.groups import (
+    destroy_all_groups,
+    join_generation,
+    leave_generation,
+)
+from deadpool_megatron.training.hooks import LoopState
+
+log = logging.getLogger("deadpool_megatron.elastic")
+
+
+class GenerationBroken(RuntimeError):
+    """A newer generation was declared while this one was training."""
+
+
+def _run_in_thread(body: Callable[[], None], declared: threading.Event,
+                   thread_context: Callable[[], ContextManager]) -> None:
+    """Run one generation's training in a thread; return when it ends or when a new
+    generation is declared (then the thread is abandoned: gloo cannot free it)."""
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            with thread_context():
+                body()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
+            outcome["error"] = err
+
+    worker = threading.Thread(target=target, name="deadpool-train", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.005)
+        if declared.is_set() and worker.is_alive():
+            raise GenerationBroken("a new generation was declared")
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
+                cpu_rehearsal: bool, finish: Callable[[LoopState], None],
+                thread_context: Callable[[], ContextManager]) -> int:
+    from deadpool_megatron.faults.spec import parse_fault, target_ranks
+    from deadpool_megatron.integration.distributed import set_seeds
+    from deadpool_megatron.integration.model import build_training_objects
+    from deadpool_megatron.integration.checkpoint import Checkpointer
+    from deadpool_megatron.reconstruct.recovery import recover_state
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.topology import ParallelSizes
+    from deadpool_megatron.training.loop import train
+
+    world = int(os.environ["WORLD_SIZE"])
+    try:
+        if ctl.is_spare:
+            log.info("spare %s ready (imports done); waiting for an assignment", ctl.worker)
+            generation, rank = ctl.wait_for_assignment()
+        else:
+            generation, rank = 0, int(os.environ["RANK"])
+    except JobShutdown as end:
+        log.info("spare %s released: %s", ctl.worker, end)
+        return 0
+    events = EventLog(ft.deadpool_events, rank)
+    sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
+                                     cfg.pipeline_model_parallel_size)
+    faults = [parse_fault(s) for s in ft.deadpool_inject]
+    # Faults belong to the original workers; a spare taking a rank does not re-fire them.
+    mine = [] if ctl.is_spare else [
+        f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
+    injector = FaultInjector(mine, rank, events)
+    engine = SnapshotEngine(cfg, ft, injector, events)
+    recovering = ctl.is_spare
+    failed_at: float | None = None
+
+    def _train_generation(generation: int, recovering: bool, t0: float,
+                          t_groups: float) -> None:
+            set_seeds(cfg.seed)
+            state = LoopState(iteration=0, consumed_samples=0,
+                              objects=build_training_objects(cfg, cpu_rehearsal))
+            engine.open_generation()
+            checkpointer = Checkpointer(cfg)
+            if recovering:
+                replaced = set(ctl.replaced(generation))
+                restored = recover_state(engine, state, replaced, generation,
+                                         cfg.use_distributed_optimizer)
+                events.emit("recovered", generation=generation, restored=restored,
+                            groups_s=t_groups - t0, total_s=time.perf_counter() - t0,
+                            spare=rank in replaced)
+                if rank == 0:
+                    log.info("recovery: generation %d formed (groups rebuilt in %.0f ms); "
+                             "every rank restored snapshot %d (replaced ranks %s); replaying "
+                             "from iteration %d", generation, 1e3 * (t_groups - t0), restored,
+                             sorted(replaced), restored + 1)
+            elif cfg.load:
+                checkpointer.load(state)
+            train(cfg, dataset, state, hooks=[engine, injector.hooks()],
+                  checkpointer=checkpointer,
+                  on_iteration=lambda s: _first_step_after(events, s, recovering))
+            finish(state)
+
+    while True:
+        try:
+            t0 = time.perf_counter()
+            if not join_generation(ctl, generation, rank, world, cfg):
+                generation = ctl.wait_generation_after(generation)
+                continue
+            declared = threading.Event()
+            ctl.watch(generation, lambda g: declared.set())
+            t_groups = time.perf_counter()
+            _run_in_thread(partial(_train_generation, generation, recovering, t0, t_groups),
+                           declared, thread_context)
+            ctl.unwatch()
+            ctl.mark_done()
+            destroy_all_groups()
+            return 0
+        except JobShutdown as end:
+            log.error("rank %d: job ended by the launcher: %s", rank, end)
+            return 1
+        except RecoveryImpossible as err:
+            log.error("rank %d: hot-swap impossible: %s", rank, err)
+            ctl.report_failure(str(err))
+            leave_generation()
+            sys.stdout.flush()
+            os._exit(3)
+        except InjectedFault as err:
+            log.error("rank %d: %s; leaving the job", rank, err)
+            ctl.report_failure(str(err))
+            leave_generation()
+            sys.stdout.flush()
+            os._exit(1)
+        except Exception as err:  # noqa: BLE001 - a peer failed: recover
+            failed_at = time.time()
+            ctl.unwatch()
+            engine.abandon()
+            leave_generation()
+            events.emit("abort", generation=generation, error=str(err)[:300])
+            log.warning("rank %d: generation %d broken (%s); waiting for the next one",
+                        rank, generation, str(err).splitlines()[0][:160])
+            try:
+                new_generation = ctl.wait_generation_after(generation)
+            except (JobShutdown, TimeoutError) as end:
+                log.error("rank %d: no recovery: %s", rank, end)
+                return 1
+            members = ctl.members(new_generation)
+            if members.get(rank) != ctl.worker:
+                log.error("rank %d: declared failed in generation %d; exiting", rank,
+                          new_generation)
+                return 1
+            gc.collect()
+            events.emit("left_generation", generation=generation, next=new_generation,
+                        after_s=time.time() - failed_at)
+            generation, recovering = new_generation, True
+
+def _first_step_after(events: EventLog, state: LoopState, recovering: bool) -> None:
+    if recovering:
+        events.emit("step_completed", iteration=state.iteration)

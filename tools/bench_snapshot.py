@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Failure-free cost of DeadPool snapshots: iteration time with --deadpool off and on,
+measured side by side (jobs alternate off, on, off, on, ...) in one run of this tool.
+
+    .venv/bin/python tools/bench_snapshot.py --rounds 3 --nproc 2
+
+Prints the ratio of median iteration times (on / off), the bytes copied and sent per
+iteration, and the host memory each rank holds for snapshots. Writes a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deadpool_megatron.testing.jobs import run_job  # noqa: E402
+
+ITER_MS = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
+SETUP = re.compile(r"deadpool snapshots: every .*?; ([0-9.]+) MB per snapshot \(([0-9.]+) MB of "
+                   r"it replicated.*host memory held ([0-9.]+) MB")
+SUMMARY = re.compile(r"per snapshot ([0-9.]+) MB copied in ([0-9.]+) ms, ([0-9.]+) MB sent in "
+                     r"([0-9.]+) ms .*training thread waited ([0-9.]+) ms")
+
+
+def model_args(ns: argparse.Namespace) -> list[str]:
+    return [
+        "--distributed-backend", "gloo", "--mock-data", "--num-layers", str(ns.layers),
+        "--hidden-size", str(ns.hidden), "--num-attention-heads", "8", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--vocab-size", str(ns.vocab),
+        "--micro-batch-size", "4", "--global-batch-size", str(4 * ns.nproc),
+        "--train-iters", str(ns.iters), "--lr", "1e-4", "--seed", "1",
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="off/on pairs")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (data parallel)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="iterations ignored per job")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--out", type=Path, default=None, help="JSON summary path")
+    ns = p.parse_args()
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    details: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(ns.rounds):
+            for mode in ("off", "on"):
+                extra = ["--deadpool", "--deadpool-ranks-per-node", "1"] if mode == "on" else []
+                job = run_job(ns.nproc, model_args(ns) + extra, Path(tmp) / f"{mode}{rnd}",
+                              timeout_s=900)
+                if not job.ok:
+                    print(job.describe(), file=sys.stderr)
+                    return 1
+                iters = [(int(i), float(ms)) for i, ms in ITER_MS.findall(job.output)]
+                times[mode] += [ms for i, ms in iters if i > ns.warmup]
+                if mode == "on":
+                    if m := SETUP.search(job.output):
+                        details.update(snapshot_mb=float(m[1]), dp_replicated_mb=float(m[2]),
+                                       host_mb_per_rank=float(m[3]))
+                    if m := SUMMARY.search(job.output):
+                        details.update(copied_mb=float(m[1]), copy_ms=float(m[2]),
+                                       sent_mb=float(m[3]), transfer_ms=float(m[4]),
+                                       main_wait_ms_total=float(m[5]))
+                print(f"round {rnd} {mode:>3}: median {statistics.median(times[mode]):.1f} ms "
+                      f"per iteration so far", flush=True)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    summary = {"nproc": ns.nproc, "iterations_per_mode": len(times["on"]),
+               "median_ms_off": off, "median_ms_on": on, "ratio_on_off": on / off, **details}
+    print(json.dumps(summary, indent=2))
+    print(f"ratio on/off = {on / off:.3f}; per iteration {details.get('copied_mb')} MB copied "
+          f"to host and {details.get('sent_mb')} MB sent to the buddy per rank; host memory "
+          f"held {details.get('host_mb_per_rank')} MB per rank")
+    if ns.out:
+        ns.out.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
