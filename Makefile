@@ -8,16 +8,17 @@ export PYTHONWARNINGS ?= ignore
 
 setup: .venv/.ready
 
-# A TP2 x PP2 x DP2 GPT pretraining run on CPU (8 processes, gloo, distributed optimizer).
+# The main job, as a rehearsal: TP2 x PP2 x DP2 GPT on CPU (8 processes, gloo, distributed
+# optimizer) under deadpool-launch with 2 warm spares; rank 5 is killed mid-run and the job
+# must end with the fingerprint of the same job run without failures (run first).
 run: .venv/.ready
-	.venv/bin/torchrun --standalone --nproc-per-node 8 pretrain_scripts/pretrain_gpt.py \
-	  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
-	  --use-distributed-optimizer --distributed-backend gloo --mock-data \
-	  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \
-	  --max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 \
-	  --train-iters 20 --lr 1e-3 --seed 1234
+	$(PY) tools/rehearse.py
 
 test: .venv/.ready
 	$(PY) -m pytest tests -q
 
-.PHONY: setup run test
+# The long fault matrix alone (it is part of `make test` too).
+test-faults: .venv/.ready
+	$(PY) -m pytest tests -q -m fault_matrix
+
+.PHONY: setup run test test-faults

@@ -15,5 +15,5 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["deadpool-launch=deadpool_megatron.launch.launcher:main"]},
 )

@@ -46,6 +46,11 @@ class DeadPoolConfig:
                       "fresh model restored from its buddy's committed snapshot."),
     )
 
+    deadpool_audit_groups: bool = field(
+        default=False,
+        metadata=flag("After each recovery, check that no live object holds an old group."),
+    )
+
     def ranks_per_node(self, world_size: int) -> int:
         if self.deadpool_ranks_per_node is not None:
             return self.deadpool_ranks_per_node

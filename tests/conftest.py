@@ -27,3 +27,15 @@ GPT_3D_ARGS = [
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "multiproc: launches real multi-process jobs")
     config.addinivalue_line("markers", "fault_matrix: the long fault-injection matrix")
+
+
+@pytest.fixture(scope="session")
+def failure_free_8(tmp_path_factory: pytest.TempPathFactory):
+    """The 3D job, 8 iterations, distributed optimizer, no DeadPool: the reference result
+    that snapshot and hot-swap runs must reproduce bit for bit."""
+    from deadpool_megatron.testing.jobs import run_job
+
+    run = run_job(8, [*GPT_3D_ARGS, "--train-iters", "8"],
+                  tmp_path_factory.mktemp("failure_free_8"), timeout_s=300)
+    assert run.ok, run.describe()
+    return run

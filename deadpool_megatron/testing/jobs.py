@@ -122,3 +122,27 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
         returncodes=[p.returncode for p in procs], logs=logs, log_dir=log_dir,
         timed_out=timed_out, elapsed_s=time.monotonic() - start,
     )
+
+
+def run_launched(launch_args: Sequence[str], script_args: Sequence[str], log_dir: Path,
+                 timeout_s: float = 400.0, env: dict[str, str] | None = None) -> JobResult:
+    """Run a job under deadpool-launch; its combined output is logs[0]. Killed (with every
+    worker) at the deadline."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / "launcher.log"
+    run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    start = time.monotonic()
+    with open(path, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deadpool_megatron.launch", *launch_args, str(PRETRAIN_GPT),
+             *script_args], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=run_env, cwd=str(REPO), start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_group(proc)  # the launcher's workers share its session
+    return JobResult(returncodes=[proc.returncode], logs={0: path.read_text(errors="replace")},
+                     log_dir=log_dir, timed_out=timed_out, elapsed_s=time.monotonic() - start)

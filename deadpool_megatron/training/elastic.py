@@ -6,7 +6,6 @@ Survivors and spares run the same code: a spare simply starts by waiting for a r
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -94,6 +93,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     engine = SnapshotEngine(cfg, ft, injector, events)
     recovering = ctl.is_spare
     failed_at: float | None = None
+    old_groups: list = []  # kept only for --deadpool-audit-groups
 
     def _train_generation(generation: int, recovering: bool, t0: float,
                           t_groups: float) -> None:
@@ -106,6 +106,16 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                 replaced = set(ctl.replaced(generation))
                 restored = recover_state(engine, state, replaced, generation,
                                          cfg.use_distributed_optimizer)
+                if ft.deadpool_audit_groups:
+                    from deadpool_megatron.reconstruct.audit import reachable_groups, stale_groups
+
+                    roots = [state.objects, engine]
+                    stale = stale_groups(roots, old_groups)
+                    log.info("group audit on rank %d: %d groups reachable from the new "
+                             "generation's objects, %d of them from an old generation",
+                             rank, len(reachable_groups(roots)), len(stale))
+                    if stale:
+                        raise RuntimeError(f"{len(stale)} old-generation groups still held")
                 events.emit("recovered", generation=generation, restored=restored,
                             groups_s=t_groups - t0, total_s=time.perf_counter() - t0,
                             spare=rank in replaced)
@@ -154,6 +164,10 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         except Exception as err:  # noqa: BLE001 - a peer failed: recover
             failed_at = time.time()
             ctl.unwatch()
+            if ft.deadpool_audit_groups:
+                from deadpool_megatron.reconstruct.groups import live_groups
+
+                old_groups += live_groups()
             engine.abandon()
             leave_generation()
             events.emit("abort", generation=generation, error=str(err)[:300])
@@ -169,7 +183,6 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                 log.error("rank %d: declared failed in generation %d; exiting", rank,
                           new_generation)
                 return 1
-            gc.collect()
             events.emit("left_generation", generation=generation, next=new_generation,
                         after_s=time.time() - failed_at)
             generation, recovering = new_generation, True

@@ -1,0 +1,78 @@
+"""Turn the JSON-lines events of a run into recovery timelines (one per failure)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def load_events(prefix: str | Path) -> list[dict]:
+    """All `PREFIX.rank*` files (the launcher writes PREFIX.rank-1), sorted by time."""
+    prefix = Path(prefix)
+    events: list[dict] = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return sorted(events, key=lambda e: e["t"])
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Milliseconds after the failure (the fault's own timestamp) at which each phase ended
+    on the last rank to finish it."""
+
+    generation: int
+    failed_ranks: tuple[int, ...]
+    detected_ms: float
+    declared_ms: float
+    aborted_ms: float
+    left_ms: float
+    rebuilt_ms: float  # groups of the new generation formed (rendezvous included)
+    restored_ms: float  # state transferred and restored on every rank
+    replayed_ms: float  # the iteration that failed completed again on every rank
+
+    PHASES = ("detected", "declared", "aborted", "left", "rebuilt", "restored", "replayed")
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [(p, getattr(self, f"{p}_ms")) for p in self.PHASES]
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{p} +{ms:.0f} ms" for p, ms in self.rows())
+        return (f"recovery into generation {self.generation} (ranks {list(self.failed_ranks)}"
+                f" replaced): {parts}")
+
+
+def timelines(events: list[dict]) -> list[Timeline]:
+    out = []
+    for decl in (e for e in events if e["event"] == "generation_declared"):
+        gen = decl["generation"]
+        failed = tuple(decl["failed_ranks"])
+        faults = [e for e in events if e["event"] == "fault_injected" and e["t"] <= decl["t"]
+                  and e["rank"] in failed]
+        detected = [e for e in events if e["event"] == "failure_detected"
+                    and e["t"] <= decl["t"]]
+        if not faults or not detected:
+            continue
+        t0 = min(e["t"] for e in faults)
+        failed_iteration = min(e["iteration"] for e in faults) if faults[0].get(
+            "iteration") is not None else None
+
+        def last(kind: str, **match: object) -> float:
+            ts = [e["t"] for e in events if e["event"] == kind and e["t"] >= t0
+                  and all(e.get(k) == v for k, v in match.items())]
+            return 1e3 * (max(ts) - t0) if ts else float("nan")
+
+        recovered = [e for e in events if e["event"] == "recovered" and e["generation"] == gen]
+        rebuilt = max((1e3 * (e["t"] - e["total_s"] + e["groups_s"] - t0) for e in recovered),
+                      default=float("nan"))
+        out.append(Timeline(
+            generation=gen, failed_ranks=failed,
+            detected_ms=1e3 * (max(e["t"] for e in detected) - t0),
+            declared_ms=1e3 * (decl["t"] - t0),
+            aborted_ms=last("abort", generation=gen - 1),
+            left_ms=last("left_generation", next=gen),
+            rebuilt_ms=rebuilt,
+            restored_ms=last("recovered", generation=gen),
+            replayed_ms=last("step_completed", iteration=failed_iteration),
+        ))
+    return out

@@ -1,0 +1,113 @@
+"""Issue 4's acceptance: hot-swap recovery under deadpool-launch ends with the fingerprint
+of the failure-free run, for every fault case; impossible cases end cleanly and say why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import GPT_3D_ARGS
+from deadpool_megatron.testing.jobs import JobResult, run_launched
+
+pytestmark = pytest.mark.multiproc
+ITERS = 8
+ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
+
+
+def _launch(tmp: Path, name: str, faults: list[str], spares: int = 2,
+            extra: list[str] = (), window: float = 0.05) -> tuple[JobResult, Path]:
+    events = tmp / name / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool",
+            "--deadpool-events", str(events), *extra]
+    for fault in faults:
+        args += ["--deadpool-inject", fault]
+    launch = ["--nproc-per-node", "8", "--spares", str(spares), "--logical-nodes", "2",
+              "--heartbeat-timeout", "3", "--failure-window", str(window)]
+    return run_launched(launch, args, tmp / name, timeout_s=400, env=ENV), events
+
+
+def _events(prefix: Path) -> list[dict]:
+    out = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["t"])
+
+
+@pytest.fixture(scope="module")
+def failure_free(failure_free_8: JobResult) -> str:
+    """The same job without DeadPool and without faults."""
+    assert ITERS == 8
+    return failure_free_8.fingerprint
+
+
+def _assert_recovered(run: JobResult, fingerprint: str, recoveries: int = 1) -> None:
+    assert run.ok, run.describe()
+    assert run.fingerprint == fingerprint, run.describe()
+    assert run.output.count("recovery: generation") == recoveries, run.describe()
+
+
+def test_gold_rank_killed_mid_iteration(tmp_path: Path, failure_free: str) -> None:
+    run, events = _launch(tmp_path, "gold", ["kill rank=5 iter=4 phase=backward"],
+                          extra=["--deadpool-audit-groups"])
+    _assert_recovered(run, failure_free)
+    audits = [l for l in run.output.splitlines() if "group audit on rank" in l]
+    assert len(audits) == 8, run.describe()
+    assert all(", 0 of them from an old generation" in l for l in audits), audits
+    assert all(int(l.split(": ")[1].split()[0]) > 0 for l in audits)  # the check sees groups
+    ev = _events(events)
+    names = [e["event"] for e in ev]
+    for phase in ("fault_injected", "failure_detected", "generation_declared", "abort",
+                  "left_generation", "recovered", "step_completed"):
+        assert phase in names, names
+    spare = [e for e in ev if e["event"] == "recovered" and e["spare"]]
+    assert len(spare) == 1 and spare[0]["rank"] == 5 and spare[0]["restored"] == 3
+
+
+@pytest.mark.fault_matrix
+@pytest.mark.parametrize("name, faults", [
+    ("rank0_first_stage_forward", ["kill rank=0 iter=3 phase=forward"]),
+    ("last_stage_in_optimizer", ["kill rank=6 iter=5 phase=optimizer"]),
+    ("raised_exception", ["raise rank=1 iter=3 phase=forward"]),
+    ("hung_rank", ["hang rank=2 iter=4 phase=backward"]),
+])
+def test_single_failures(tmp_path: Path, failure_free: str, name: str,
+                         faults: list[str]) -> None:
+    run, _ = _launch(tmp_path, name, faults)
+    _assert_recovered(run, failure_free)
+
+
+@pytest.mark.fault_matrix
+def test_whole_logical_node(tmp_path: Path, failure_free: str) -> None:
+    run, events = _launch(tmp_path, "node", ["kill node=1 iter=4 phase=forward"], spares=4)
+    _assert_recovered(run, failure_free)
+    spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["spare"]}
+    assert spares == {4, 5, 6, 7}
+
+
+@pytest.mark.fault_matrix
+def test_two_failures_in_sequence(tmp_path: Path, failure_free: str) -> None:
+    run, _ = _launch(tmp_path, "two", ["kill rank=3 iter=3 phase=backward",
+                                       "kill rank=4 iter=6 phase=forward"])
+    _assert_recovered(run, failure_free, recoveries=2)
+
+
+@pytest.mark.fault_matrix
+def test_spare_exhaustion_ends_cleanly(tmp_path: Path) -> None:
+    run, _ = _launch(tmp_path, "exhausted", ["kill rank=1 iter=3 phase=forward",
+                                             "kill rank=2 iter=5 phase=forward"], spares=1)
+    assert not run.timed_out and run.returncodes == [3], run.describe()
+    assert "ranks [2] failed but only 0 spare(s) remain" in run.output
+    assert "state fingerprint" not in run.output
+
+
+@pytest.mark.fault_matrix
+def test_shard_and_buddy_lost_together_ends_cleanly(tmp_path: Path) -> None:
+    # tp=1,dp=0 is rank 1 (first stage) and rank 5, its buddy (last stage); a 2 s failure
+    # window gathers both deaths into one declaration.
+    run, _ = _launch(tmp_path, "buddy_lost", ["kill tp=1,dp=0 iter=3 phase=optimizer"],
+                     window=2.0)
+    assert not run.timed_out and run.returncodes == [3], run.describe()
+    assert "the in-memory shards of ranks [1, 5] are lost" in run.output
+    assert "generation 0" in run.output

@@ -1,0 +1,80 @@
+"""Recovery policies without processes, up to 100,000 simulated ranks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deadpool_megatron.control.policy import (
+    RecoveryImpossible,
+    assign_spares,
+    check_recoverable,
+)
+from deadpool_megatron.metrics.timeline import timelines
+from deadpool_megatron.reconstruct.recovery import choose_generation
+from deadpool_megatron.topology import buddy_map
+
+
+def test_spares_take_failed_ranks_in_order() -> None:
+    current = {r: f"w{r}" for r in range(8)}
+    plan = assign_spares(0, current, {5, 2}, ["s0", "s1", "s2"])
+    assert plan.generation == 1 and plan.replaced == {2: "s0", 5: "s1"}
+    assert plan.rank_to_worker[2] == "s0" and plan.rank_to_worker[0] == "w0"
+
+
+def test_no_spare_left_names_ranks_and_generation() -> None:
+    with pytest.raises(RecoveryImpossible, match=r"generation 4: ranks \[1, 2\] failed but "
+                                                 r"only 1 spare"):
+        assign_spares(4, {r: f"w{r}" for r in range(4)}, {1, 2}, ["s0"])
+
+
+def test_shard_and_copy_lost_together_is_refused() -> None:
+    check_recoverable(0, {4, 5, 6, 7}, 8, 4, False)  # a whole node: copies live on node 0
+    with pytest.raises(RecoveryImpossible, match=r"ranks \[1, 5\] are lost"):
+        check_recoverable(0, {1, 5}, 8, 4, False)
+
+
+def test_choose_generation_prefers_newest_common_and_needs_buddy_copy() -> None:
+    buddy = buddy_map(8, 4)
+    own = [[4, 3]] * 8
+    ward = [[4, 3]] * 8
+    assert choose_generation(own, ward, {5}, buddy) == 4
+    own = [[4, 3]] * 3 + [[3]] + [[4, 3]] * 4  # rank 3 never completed generation 4
+    assert choose_generation(own, ward, {5}, buddy) == 3
+    ward = [list(w) for w in ward]
+    ward[buddy[5]] = [4]
+    assert choose_generation(own, ward, {5}, buddy) is None  # no common point: refuse
+    assert choose_generation([[2]] * 8, [[2]] * 8, {1, 5}, buddy) is None  # buddy replaced too
+
+
+def test_policies_at_100k_ranks() -> None:
+    world, rpn = 100_000, 8
+    t0 = time.perf_counter()
+    buddy = buddy_map(world, rpn)
+    failed = set(range(8 * 777, 8 * 778))  # one whole node
+    check_recoverable(0, failed, world, rpn, False)
+    plan = assign_spares(0, {r: f"w{r}" for r in range(world)}, failed,
+                         [f"s{i}" for i in range(16)])
+    own = [[9, 8]] * world
+    assert choose_generation(own, own, failed, buddy) == 9
+    print(f"[scale] 100k ranks: buddy map, node-loss check, spare plan and generation choice "
+          f"in {1e3 * (time.perf_counter() - t0):.0f} ms")
+    assert len(plan.replaced) == 8
+
+
+def test_timeline_from_events() -> None:
+    t = 1000.0
+    ev = [
+        {"t": t, "rank": 3, "event": "fault_injected", "iteration": 5},
+        {"t": t + 0.09, "rank": -1, "event": "failure_detected"},
+        {"t": t + 0.15, "rank": -1, "event": "generation_declared", "generation": 1,
+         "failed_ranks": [3]},
+        {"t": t + 0.3, "rank": 0, "event": "abort", "generation": 0},
+        {"t": t + 0.4, "rank": 0, "event": "left_generation", "generation": 0, "next": 1},
+        {"t": t + 1.0, "rank": 0, "event": "recovered", "generation": 1, "groups_s": 0.2,
+         "total_s": 0.5, "spare": False},
+        {"t": t + 1.5, "rank": 0, "event": "step_completed", "iteration": 5},
+    ]
+    (line,) = timelines(ev)
+    assert [round(ms) for _, ms in line.rows()] == [90, 150, 300, 400, 700, 1000, 1500]
