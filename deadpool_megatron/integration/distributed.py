@@ -14,8 +14,6 @@ from deadpool_megatron.config import TrainConfig
 
 def init_process_groups(cfg: TrainConfig) -> None:
     """Default group from torchrun's environment, then every Megatron-Core parallel group."""
-    from megatron.core import parallel_state as ps
-
     if cfg.distributed_backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -25,6 +23,13 @@ def init_process_groups(cfg: TrainConfig) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     torch.distributed.init_process_group(backend=cfg.distributed_backend, timeout=timeout)
+    init_megatron_groups(cfg)
+
+
+def init_megatron_groups(cfg: TrainConfig) -> None:
+    """Every Megatron-Core parallel group, over the current default group."""
+    from megatron.core import parallel_state as ps
+
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,

@@ -88,7 +88,9 @@ class Launcher:
                "TORCHELASTIC_USE_AGENT_STORE": "True", "DEADPOOL_WORKER_ID": worker,
                "DEADPOOL_HEARTBEAT_TIMEOUT_S": str(self.cfg.heartbeat_timeout)}
         if rank is not None:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), DEADPOOL_DEVICE_SLOT=str(rank))
+        else:  # spares take the device slots after the active workers'
+            env["DEADPOOL_DEVICE_SLOT"] = str(self.world + int(worker[1:]))
         return env
 
     def _start(self, worker: str, rank: int | None) -> None:

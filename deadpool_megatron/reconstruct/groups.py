@@ -62,20 +62,18 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
 
     False if a newer generation was declared while waiting (a failure during recovery).
     """
-    from megatron.core import parallel_state as ps
+    from deadpool_megatron.integration.distributed import init_megatron_groups
 
     if not ctl.rendezvous(generation, world_size):
         return False
+    if cfg.distributed_backend == "nccl":
+        # A spare keeps the device it was started on (its launcher slot), whatever rank it
+        # takes; an active worker's slot is its local rank.
+        slot = int(os.environ.get("DEADPOOL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(slot % torch.cuda.device_count())
     store = dist.PrefixStore(keys.pg_prefix(generation), ctl.store)
     dist.init_process_group(backend=cfg.distributed_backend, store=store, rank=rank,
                             world_size=world_size,
                             timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
-    if cfg.distributed_backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        distributed_timeout_minutes=cfg.distributed_timeout_minutes,
-    )
+    init_megatron_groups(cfg)
     return True
