@@ -94,6 +94,17 @@ def test_two_failures_in_sequence(tmp_path: Path, failure_free: str) -> None:
 
 
 @pytest.mark.fault_matrix
+def test_failure_during_recovery(tmp_path: Path, failure_free: str) -> None:
+    """Rank 7 dies while the job recovers from rank 2's death: generation 2 replaces it and
+    still gives rank 2's spare, which never finished restoring, its shard."""
+    run, _ = _launch(tmp_path, "during", ["kill rank=2 iter=4 phase=backward",
+                                          "kill rank=7 iter=1 phase=recovery"])
+    assert run.ok, run.describe()
+    assert run.fingerprint == failure_free
+    assert "generation 2: ranks [7] failed" in run.output
+
+
+@pytest.mark.fault_matrix
 def test_spare_exhaustion_ends_cleanly(tmp_path: Path) -> None:
     run, _ = _launch(tmp_path, "exhausted", ["kill rank=1 iter=3 phase=forward",
                                              "kill rank=2 iter=5 phase=forward"], spares=1)
@@ -111,3 +122,17 @@ def test_shard_and_buddy_lost_together_ends_cleanly(tmp_path: Path) -> None:
     assert not run.timed_out and run.returncodes == [3], run.describe()
     assert "the in-memory shards of ranks [1, 5] are lost" in run.output
     assert "generation 0" in run.output
+
+
+@pytest.mark.fault_matrix
+def test_spare_exhaustion_falls_back_to_durable_checkpoint(tmp_path: Path,
+                                                          failure_free: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    run, _ = _launch(tmp_path, "fallback", ["kill rank=1 iter=3 phase=forward",
+                                            "kill rank=2 iter=6 phase=forward"], spares=1,
+                     extra=["--save", str(ckpt), "--save-interval", "2"])
+    assert "ranks [2] failed but only 0 spare(s) remain" in run.output
+    assert "falling back to the durable checkpoint" in run.output
+    assert "loaded checkpoint of iteration 4" in run.output
+    assert run.ok, run.describe()
+    assert run.fingerprint == failure_free

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from deadpool_megatron.topology import ParallelSizes, coord_of, node_of
 
 ACTIONS = ("kill", "hang", "raise", "corrupt")
-PHASES = ("forward", "backward", "optimizer", "snapshot")
+# 'recovery' fires while the rank recovers into generation iter=N (a failure during recovery).
+PHASES = ("forward", "backward", "optimizer", "snapshot", "recovery")
 COORD_KEYS = ("tp", "cp", "pp", "dp")
 
 

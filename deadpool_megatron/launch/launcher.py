@@ -47,6 +47,10 @@ class LaunchConfig:
     failure_window: float = field(
         default=0.05, metadata=flag("Seconds to gather failures into one declaration.")
     )
+    max_restarts: int = field(
+        default=1, metadata=flag("Whole-job restarts from the --save checkpoint when "
+                                 "hot-swap is impossible.")
+    )
     shutdown_timeout: float = field(
         default=30.0, metadata=flag("Seconds workers get to exit after the job ends.")
     )
@@ -63,10 +67,13 @@ class LaunchConfig:
                              f"must divide --nproc-per-node {self.nproc_per_node}")
 
 
-def _events_path(script_args: Sequence[str]) -> str | None:
-    args = list(script_args)
-    if "--deadpool-events" in args:
-        i = args.index("--deadpool-events")
+RECOVERY_IMPOSSIBLE = 3
+
+
+def _flag_value(args: Sequence[str], name: str) -> str | None:
+    args = list(args)
+    if name in args:
+        i = args.index(name)
         return args[i + 1] if i + 1 < len(args) else None
     return None
 
@@ -77,7 +84,8 @@ class Launcher:
         self.cmd = [sys.executable, "-u", script, *script_args]
         self.world = cfg.nproc_per_node
         self.ranks_per_node = cfg.nproc_per_node // cfg.logical_nodes
-        self.events = EventLog(_events_path(script_args), rank=-1)
+        self.events = EventLog(_flag_value(script_args, "--deadpool-events"), rank=-1)
+        self.epoch = 0
         self.procs: dict[str, subprocess.Popen] = {}
         self.heartbeats: dict[str, tuple[bytes, float]] = {}
 
@@ -86,7 +94,8 @@ class Launcher:
                "MASTER_PORT": str(self.store.port), "WORLD_SIZE": str(self.world),
                "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "DEADPOOL_WORKER_ID": worker,
-               "DEADPOOL_HEARTBEAT_TIMEOUT_S": str(self.cfg.heartbeat_timeout)}
+               "DEADPOOL_HEARTBEAT_TIMEOUT_S": str(self.cfg.heartbeat_timeout),
+               "DEADPOOL_EPOCH": str(self.epoch)}
         if rank is not None:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), DEADPOOL_DEVICE_SLOT=str(rank))
         else:  # spares take the device slots after the active workers'
@@ -98,6 +107,26 @@ class Launcher:
                                               stdin=subprocess.DEVNULL)
 
     def run(self) -> int:
+        """Hot-swap for as long as it can; then, if the job writes durable checkpoints
+        (--save), restart every worker from the newest one (--load), once per
+        --max-restarts."""
+        save_dir = _flag_value(self.cmd, "--save")
+        for attempt in range(self.cfg.max_restarts + 1):
+            self.epoch = attempt
+            rc = self._run_epoch()
+            if rc != RECOVERY_IMPOSSIBLE or save_dir is None or attempt == self.cfg.max_restarts:
+                return rc
+            log.warning("deadpool-launch: falling back to the durable checkpoint under %s: "
+                        "restarting all %d workers with --load", save_dir, self.world)
+            self.events.emit("checkpoint_fallback", save=save_dir, attempt=attempt + 1)
+            if _flag_value(self.cmd, "--load") is None:
+                self.cmd += ["--load", save_dir]
+            self.procs.clear()
+            self.heartbeats.clear()
+            self.store = None  # closes this epoch's control plane before the next one
+        return RECOVERY_IMPOSSIBLE
+
+    def _run_epoch(self) -> int:
         cfg = self.cfg
         self.store = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -195,7 +224,7 @@ class Launcher:
         deadline = time.monotonic() + self.cfg.shutdown_timeout
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
             time.sleep(0.05)
-        return 3
+        return RECOVERY_IMPOSSIBLE
 
     def _stop_all(self) -> None:
         deadline = time.monotonic() + self.cfg.shutdown_timeout

@@ -86,8 +86,10 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
                                      cfg.pipeline_model_parallel_size)
     faults = [parse_fault(s) for s in ft.deadpool_inject]
-    # Faults belong to the original workers; a spare taking a rank does not re-fire them.
-    mine = [] if ctl.is_spare else [
+    # Faults belong to the original workers of the first launch: neither a spare taking a
+    # rank nor a restart from the checkpoint re-fires them.
+    first_epoch = os.environ.get("DEADPOOL_EPOCH", "0") == "0"
+    mine = [] if ctl.is_spare or not first_epoch else [
         f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
     injector = FaultInjector(mine, rank, events)
     engine = SnapshotEngine(cfg, ft, injector, events)
@@ -103,6 +105,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             engine.open_generation()
             checkpointer = Checkpointer(cfg)
             if recovering:
+                injector.fire("recovery", generation)
                 replaced = set(ctl.replaced(generation))
                 restored = recover_state(engine, state, replaced, generation,
                                          cfg.use_distributed_optimizer)
