@@ -83,7 +83,11 @@ class Launcher:
         self.cfg = cfg
         self.cmd = [sys.executable, "-u", script, *script_args]
         self.world = cfg.nproc_per_node
-        self.ranks_per_node = cfg.nproc_per_node // cfg.logical_nodes
+        # The workers' failure domains: --deadpool-ranks-per-node if the job sets it, else
+        # the launcher's logical nodes (passed to the workers as LOCAL_WORLD_SIZE).
+        rpn = _flag_value(script_args, "--deadpool-ranks-per-node")
+        self.ranks_per_node = int(rpn) if rpn else cfg.nproc_per_node // cfg.logical_nodes
+        self.allow_same_node = "--deadpool-allow-same-node-buddy" in script_args
         self.events = EventLog(_flag_value(script_args, "--deadpool-events"), rank=-1)
         self.epoch = 0
         self.procs: dict[str, subprocess.Popen] = {}
@@ -173,7 +177,7 @@ class Launcher:
                     failed_ranks = {r for r, w in current.items() if w in failed}
                     try:
                         check_recoverable(generation, failed_ranks, self.world,
-                                          self.ranks_per_node, allow_same_node=False)
+                                          self.ranks_per_node, self.allow_same_node)
                         plan = assign_spares(generation, current, failed_ranks, spares)
                     except RecoveryImpossible as err:
                         return self._abort(str(err))

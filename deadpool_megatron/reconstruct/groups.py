@@ -48,14 +48,6 @@ def leave_generation() -> None:
     c10d._world.pg_map.clear() if dist.is_initialized() else None
 
 
-def destroy_all_groups() -> None:
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: int,
                     cfg: TrainConfig) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group.

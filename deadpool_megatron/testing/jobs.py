@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
@@ -32,7 +32,6 @@ class JobResult:
     log_dir: Path
     timed_out: bool
     elapsed_s: float
-    stderr_tail: str = field(default="")
 
     @property
     def ok(self) -> bool:

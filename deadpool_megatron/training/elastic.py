@@ -23,11 +23,8 @@ from deadpool_megatron.control.policy import RecoveryImpossible
 from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.reconstruct.groups import (
-    destroy_all_groups,
-    join_generation,
-    leave_generation,
-)
+from deadpool_megatron.integration.distributed import destroy_process_groups
+from deadpool_megatron.reconstruct.groups import join_generation, leave_generation
 from deadpool_megatron.training.hooks import LoopState
 
 log = logging.getLogger("deadpool_megatron.elastic")
@@ -147,7 +144,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                            declared, thread_context)
             ctl.unwatch()
             ctl.mark_done()
-            destroy_all_groups()
+            destroy_process_groups()
             return 0
         except JobShutdown as end:
             log.error("rank %d: job ended by the launcher: %s", rank, end)
