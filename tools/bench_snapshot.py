@@ -48,6 +48,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--interval", type=int, default=1, help="--deadpool-snapshot-interval")
     p.add_argument("--out", type=Path, default=None, help="JSON summary path")
     ns = p.parse_args()
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -55,7 +56,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
             for mode in ("off", "on"):
-                extra = ["--deadpool", "--deadpool-ranks-per-node", "1"] if mode == "on" else []
+                extra = ["--deadpool", "--deadpool-ranks-per-node", "1",
+                         "--deadpool-snapshot-interval", str(ns.interval)] if mode == "on" else []
                 job = run_job(ns.nproc, model_args(ns) + extra, Path(tmp) / f"{mode}{rnd}",
                               timeout_s=900)
                 if not job.ok:
@@ -74,7 +76,8 @@ def main() -> int:
                 print(f"round {rnd} {mode:>3}: median {statistics.median(times[mode]):.1f} ms "
                       f"per iteration so far", flush=True)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    summary = {"nproc": ns.nproc, "iterations_per_mode": len(times["on"]),
+    summary = {"nproc": ns.nproc, "snapshot_interval": ns.interval,
+               "iterations_per_mode": len(times["on"]),
                "median_ms_off": off, "median_ms_on": on, "ratio_on_off": on / off, **details}
     print(json.dumps(summary, indent=2))
     print(f"ratio on/off = {on / off:.3f}; per iteration {details.get('copied_mb')} MB copied "
