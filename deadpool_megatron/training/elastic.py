@@ -149,18 +149,13 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         except JobShutdown as end:
             log.error("rank %d: job ended by the launcher: %s", rank, end)
             return 1
-        except RecoveryImpossible as err:
-            log.error("rank %d: hot-swap impossible: %s", rank, err)
+        except (RecoveryImpossible, InjectedFault) as err:
+            # This rank itself cannot go on: leave, and let the launcher see the exit.
+            log.error("rank %d: leaving the job: %s", rank, err)
             ctl.report_failure(str(err))
             leave_generation()
             sys.stdout.flush()
-            os._exit(3)
-        except InjectedFault as err:
-            log.error("rank %d: %s; leaving the job", rank, err)
-            ctl.report_failure(str(err))
-            leave_generation()
-            sys.stdout.flush()
-            os._exit(1)
+            os._exit(3 if isinstance(err, RecoveryImpossible) else 1)
         except Exception as err:  # noqa: BLE001 - a peer failed: recover
             failed_at = time.time()
             ctl.unwatch()
