@@ -29,6 +29,17 @@ def test_no_spare_left_names_ranks_and_generation() -> None:
         assign_spares(4, {r: f"w{r}" for r in range(4)}, {1, 2}, ["s0"])
 
 
+def test_spare_avoids_the_hosts_of_the_ranks_buddy_and_ward() -> None:
+    """A spare on the host that holds rank 3's copy would put shard and copy together."""
+    current = {r: f"w{r}" for r in range(8)}
+    spare_host = {"s0.0": 0, "s0.1": 0, "s1.0": 1}
+    plan = assign_spares(0, current, {3}, ["s0.0", "s0.1", "s1.0"], {3: {0}}, spare_host)
+    assert plan.replaced == {3: "s1.0"}
+    # Lowest rank first; when no spare is safe, the first free one is still used.
+    plan = assign_spares(0, current, {2, 3}, ["s0.0", "s1.0"], {2: {0}, 3: {0}}, spare_host)
+    assert plan.replaced == {2: "s1.0", 3: "s0.0"}
+
+
 def test_shard_and_copy_lost_together_is_refused() -> None:
     check_recoverable(0, {4, 5, 6, 7}, 8, 4, False)  # a whole node: copies live on node 0
     with pytest.raises(RecoveryImpossible, match=r"ranks \[1, 5\] are lost"):
@@ -54,13 +65,16 @@ def test_policies_at_100k_ranks() -> None:
     buddy = buddy_map(world, rpn)
     failed = set(range(8 * 777, 8 * 778))  # one whole node
     check_recoverable(0, failed, world, rpn, False)
-    plan = assign_spares(0, {r: f"w{r}" for r in range(world)}, failed,
-                         [f"s{i}" for i in range(16)])
+    spares = [f"s{h}.{i}" for h in range(0, 12_500, 500) for i in range(2)]
+    avoid = {r: {r // rpn + 1, r // rpn - 1} for r in failed}  # the neighbouring hosts
+    plan = assign_spares(0, {r: f"w{r}" for r in range(world)}, failed, spares, avoid,
+                         {s: int(s[1:].split(".")[0]) for s in spares})
     own = [[9, 8]] * world
     assert choose_generation(own, own, failed, buddy) == 9
     print(f"[scale] 100k ranks: buddy map, node-loss check, spare plan and generation choice "
           f"in {1e3 * (time.perf_counter() - t0):.0f} ms")
     assert len(plan.replaced) == 8
+    assert not any(int(s[1:].split(".")[0]) in avoid[r] for r, s in plan.replaced.items())
 
 
 def test_timeline_from_events() -> None:

@@ -31,8 +31,9 @@ class ControlClient:
     """One per worker process; built from the launcher's environment."""
 
     def __init__(self, host: str, port: int, worker: str, heartbeat_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, epoch: int = 0) -> None:
         self.worker = worker
+        self.epoch = epoch
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.host, self.port = host, port
@@ -53,15 +54,18 @@ class ControlClient:
             return None
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), worker,
                    float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.2")),
-                   float(os.environ.get("DEADPOOL_CONTROL_TIMEOUT_S", "300")))
+                   float(os.environ.get("DEADPOOL_CONTROL_TIMEOUT_S", "300")),
+                   int(os.environ.get("DEADPOOL_EPOCH", "0")))
 
     @property
     def is_spare(self) -> bool:
         return self.worker.startswith("s")
 
-    def _connect(self) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self.port, is_master=False,
-                             timeout=timedelta(seconds=self.timeout_s))
+    def _connect(self) -> dist.Store:
+        """This epoch's view of the launcher's store (a restart opens a fresh one)."""
+        store = dist.TCPStore(self.host, self.port, is_master=False,
+                              timeout=timedelta(seconds=self.timeout_s))
+        return dist.PrefixStore(keys.epoch_prefix(self.epoch), store)
 
     # -- heartbeat and generation watch (own thread, own connection) ----------------------
     def _beat(self) -> None:

@@ -30,3 +30,33 @@ def failure_report(worker: str) -> str:
 
 def done(worker: str) -> str:
     return f"dp/done/{worker}"
+
+
+# -- launcher-to-launcher keys (one set per epoch, under epoch_prefix) -------------------
+EXITS = "dp/exits"  # counter: bumped after each exit_report
+KILLS = "dp/kills"  # counter: bumped after each kill_request
+
+
+def exit_report(worker: str) -> str:
+    return f"dp/exit/{worker}"  # the worker's return code, written by its host's launcher
+
+
+def kill_request(worker: str) -> str:
+    return f"dp/kill/{worker}"  # host 0 asks the worker's host to SIGKILL it (hung)
+
+
+def node_spares(node: int) -> str:
+    return f"dp/node{node}/spares"  # json list of the spare ids that host started
+
+
+# -- keys outside every epoch: the launchers' own lifecycle -----------------------------
+EPOCH = "launch/epoch"  # the current epoch (a whole-job restart opens the next)
+END = "launch/end"  # the job's exit status, set once by host 0
+
+
+def epoch_prefix(epoch: int) -> str:
+    return f"ep{epoch}/"
+
+
+def bye(node: int) -> str:
+    return f"launch/bye/{node}"  # a host's launcher has read END and is leaving

@@ -19,14 +19,23 @@ class Assignment:
 
 
 def assign_spares(generation: int, current: dict[int, str], failed: set[int],
-                  free_spares: list[str]) -> Assignment:
-    """Give each failed rank (lowest first) the next free spare, in launch order."""
+                  free_spares: list[str], avoid_hosts: dict[int, set[int]] | None = None,
+                  spare_host: dict[str, int] | None = None) -> Assignment:
+    """Give each failed rank (lowest first) a free spare, in launch order, preferring one
+    whose host is not in avoid_hosts[rank] (the hosts of the rank's buddy and ward), so
+    that one host's loss never takes a shard and its copy together."""
     if len(failed) > len(free_spares):
         raise RecoveryImpossible(
             f"generation {generation}: ranks {sorted(failed)} failed but only "
             f"{len(free_spares)} spare(s) remain ({free_spares}); start the job with more "
             f"--spares")
-    replaced = {rank: free_spares[i] for i, rank in enumerate(sorted(failed))}
+    free = list(free_spares)
+    replaced: dict[int, str] = {}
+    for rank in sorted(failed):
+        avoid = (avoid_hosts or {}).get(rank, set())
+        pick = next((s for s in free if (spare_host or {}).get(s) not in avoid), free[0])
+        free.remove(pick)
+        replaced[rank] = pick
     members = {**current, **replaced}
     return Assignment(generation + 1, members, replaced)
 

@@ -124,24 +124,68 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
 
 
 def run_launched(launch_args: Sequence[str], script_args: Sequence[str], log_dir: Path,
-                 timeout_s: float = 400.0, env: dict[str, str] | None = None) -> JobResult:
-    """Run a job under deadpool-launch; its combined output is logs[0]. Killed (with every
-    worker) at the deadline."""
+                 timeout_s: float = 400.0, env: dict[str, str] | None = None,
+                 script: Path = PRETRAIN_GPT) -> JobResult:
+    """Run a job under one deadpool-launch; its combined output is logs[0]."""
+    return run_hosts([list(launch_args)], script_args, log_dir, timeout_s, env, script)
+
+
+PORT = re.compile(r"control plane on [^:\s]+:(\d+)")
+
+
+def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_dir: Path,
+              timeout_s: float = 400.0, env: dict[str, str] | None = None,
+              script: Path = PRETRAIN_GPT,
+              kill_host: tuple[int, str, float] | None = None) -> JobResult:
+    """One deadpool-launch per simulated host on this machine, as under Slurm: host 0 picks
+    a free control-plane port, which the others are then given (no free-port race).
+    logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
+    launcher with all its workers `delay` s after `text` appears in its log (a lost host).
+    Every launcher is killed, with its workers, at the deadline."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / "launcher.log"
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    paths = [log_dir / ("launcher.log" if len(hosts) == 1 else f"host{h}.log")
+             for h in range(len(hosts))]
+    files = [open(path, "w") for path in paths]
+    procs: list[subprocess.Popen] = []
     start = time.monotonic()
-    with open(path, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "deadpool_megatron.launch", *launch_args, str(PRETRAIN_GPT),
-             *script_args], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=run_env, cwd=str(REPO), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            _kill_group(proc)  # the launcher's workers share its session
-    return JobResult(returncodes=[proc.returncode], logs={0: path.read_text(errors="replace")},
+    deadline = start + timeout_s
+    timed_out, killed_at = False, None
+
+    def launch(h: int, port_args: list[str]) -> None:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "deadpool_megatron.launch", *hosts[h], *port_args,
+             str(script), *script_args], stdout=files[h], stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=run_env, cwd=str(REPO), start_new_session=True))
+
+    try:
+        multi = ["--nnodes", str(len(hosts))] if len(hosts) > 1 else []
+        launch(0, [*multi, "--node-rank", "0"] if multi else [])
+        port = None
+        while port is None and len(hosts) > 1:
+            found = PORT.search(paths[0].read_text(errors="replace"))
+            port = found.group(1) if found else None
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                timed_out = procs[0].poll() is None
+                break
+            time.sleep(0.05)
+        for h in range(1, len(hosts) if port else 0):
+            launch(h, [*multi, "--node-rank", str(h), "--master-port", port])
+        while any(p.poll() is None for p in procs) and not timed_out:
+            if time.monotonic() > deadline:
+                timed_out = True
+            elif kill_host is not None and killed_at is None and \
+                    kill_host[1] in paths[kill_host[0]].read_text(errors="replace"):
+                killed_at = time.monotonic() + kill_host[2]
+            elif killed_at is not None and time.monotonic() >= killed_at:
+                _kill_group(procs[kill_host[0]])
+                killed_at = float("inf")
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            _kill_group(proc)  # each launcher's workers share its session
+        for f in files:
+            f.close()
+    return JobResult(returncodes=[p.returncode for p in procs],
+                     logs={h: path.read_text(errors="replace") for h, path in enumerate(paths)},
                      log_dir=log_dir, timed_out=timed_out, elapsed_s=time.monotonic() - start)

@@ -1,0 +1,56 @@
+"""A stand-in training script for launcher tests: it joins the control plane, heartbeats,
+follows generations and can fail on cue, but trains nothing (starts in ~2 s, not ~10).
+
+Active workers run for --seconds, then report done; a spare reports done as soon as it is
+given a rank. Failures fire only in the first epoch, like real injected faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from deadpool_megatron.control.client import ControlClient, JobShutdown
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--fail-rank", type=int, action="append", default=[])
+    parser.add_argument("--fail-after", type=float, default=1.0)
+    parser.add_argument("--save")  # accepted (the launcher reads it), unused
+    parser.add_argument("--load")
+    args = parser.parse_args()
+    ctl = ControlClient.from_env()
+    if ctl is None:
+        sys.exit("control_worker.py runs under deadpool-launch only")
+    first_epoch = ctl.epoch == 0
+    try:
+        if ctl.is_spare:
+            generation, rank = ctl.wait_for_assignment()
+            print(f"worker {ctl.worker} took rank {rank} in generation {generation}", flush=True)
+        else:
+            rank = int(os.environ["RANK"])
+            start = time.monotonic()
+            print(f"worker {ctl.worker} is rank {rank} in epoch {ctl.epoch}", flush=True)
+            while time.monotonic() - start < args.seconds:
+                if first_epoch and rank in args.fail_rank and \
+                        time.monotonic() - start > args.fail_after:
+                    print(f"rank {rank} fails on cue", flush=True)
+                    os._exit(1)
+                ctl._check_shutdown()
+                time.sleep(0.05)
+        ctl.mark_done()
+    except JobShutdown as end:
+        print(f"worker {ctl.worker}: job ended: {end}", flush=True)
+        return 0 if str(end) == "done" else 1
+    finally:
+        ctl.close()
+    print(f"worker {ctl.worker} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

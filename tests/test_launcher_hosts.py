@@ -1,0 +1,89 @@
+"""deadpool-launch across hosts, one launcher per simulated host on this machine (as under
+Slurm), with a stand-in worker that trains nothing, so the control plane is tested fast."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from deadpool_megatron.launch.config import LaunchConfig, LaunchError
+from deadpool_megatron.testing.jobs import REPO, JobResult, run_hosts
+
+pytestmark = pytest.mark.multiproc
+WORKER = REPO / "deadpool_megatron" / "testing" / "control_worker.py"
+HB = ["--heartbeat-timeout", "3"]
+
+
+def _hosts(tmp: Path, name: str, spares: list[int], worker_args: list[str],
+           **kw) -> JobResult:
+    hosts = [["--nproc-per-node", "2", "--spares", str(n), *HB] for n in spares]
+    return run_hosts(hosts, worker_args, tmp / name, timeout_s=120, script=WORKER, **kw)
+
+
+def _declarations(run: JobResult) -> list[str]:
+    return re.findall(r"generation \d+: ranks .* take their places", run.logs[0])
+
+
+def test_two_hosts_run_and_end_together(tmp_path: Path) -> None:
+    run = _hosts(tmp_path, "ok", [1, 1], ["--seconds", "2"])
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
+    for host, ranks in ((0, (0, 1)), (1, (2, 3))):
+        for rank in ranks:
+            assert f"worker w{rank} done" in run.logs[host], run.describe()
+    assert not _declarations(run)
+
+
+def test_exit_on_another_host_is_reported_and_replaced_away_from_its_buddy(
+        tmp_path: Path) -> None:
+    # World 4 on 2 hosts: rank 3's buddy and ward are rank 1, on host 0, so the spare taking
+    # rank 3 must be host 1's, though host 0's spare comes first in launch order.
+    run = _hosts(tmp_path, "exit", [1, 1], ["--seconds", "6", "--fail-rank", "3"])
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
+    assert "rank 3 (worker w3 on host 1) exited with 1" in run.logs[0], run.describe()
+    assert _declarations(run) == ["generation 1: ranks [3] failed; spares {3: 's1.0'} take "
+                                  "their places"], run.describe()
+    assert "worker s1.0 took rank 3 in generation 1" in run.logs[1]
+
+
+def test_lost_host_is_declared_once_and_replaced_by_the_other_hosts_spares(
+        tmp_path: Path) -> None:
+    """Host 1's launcher and workers are SIGKILLed together: only heartbeats tell."""
+    run = _hosts(tmp_path, "lost", [2, 0], ["--seconds", "12"],
+                 kill_host=(1, "is rank 3", 1.0))
+    assert run.returncodes[0] == 0 and run.returncodes[1] == -9, run.describe()
+    assert "missed heartbeats" in run.logs[0], run.describe()
+    (declared,) = _declarations(run)
+    assert declared.startswith("generation 1: ranks [2, 3] failed"), run.describe()
+    assert "worker w0 done" in run.logs[0] and "worker w1 done" in run.logs[0]
+
+
+def test_checkpoint_fallback_restarts_every_host(tmp_path: Path) -> None:
+    run = _hosts(tmp_path, "fallback", [0, 0],
+                 ["--seconds", "3", "--fail-rank", "2", "--save", str(tmp_path / "ckpt")])
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
+    assert "ranks [2] failed but only 0 spare(s) remain" in run.logs[0], run.describe()
+    assert "falling back to the durable checkpoint" in run.logs[0]
+    for rank in (2, 3):
+        assert f"worker w{rank} is rank {rank} in epoch 1" in run.logs[1], run.describe()
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({"node_rank": 1, "nnodes": 2}, "--node-rank > 0 needs the --master-port of host 0"),
+    ({"node_rank": 2, "nnodes": 2, "master_port": 29500}, "--node-rank 2 must be in"),
+    ({"nproc_per_node": 6, "logical_nodes": 4}, "--logical-nodes 4 must divide"),
+    ({"spares": -1}, "--spares must be non-negative"),
+])
+def test_bad_launch_flags_say_what_to_change(kw: dict, expected: str) -> None:
+    with pytest.raises(LaunchError, match=re.escape(expected)):
+        LaunchConfig(**kw).validate()
+
+
+def test_bad_launch_flag_exits_2_with_the_message(capsys: pytest.CaptureFixture) -> None:
+    from deadpool_megatron.launch.launcher import main
+
+    with pytest.raises(SystemExit) as end:
+        main(["--nnodes", "2", "--node-rank", "1", "train.py"])
+    assert end.value.code == 2
+    assert "--node-rank > 0 needs the --master-port of host 0" in capsys.readouterr().err
