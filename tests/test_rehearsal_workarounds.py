@@ -17,7 +17,7 @@ from deadpool_megatron.rehearsal import WORKAROUNDS, CpuRehearsal, prepare_megat
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only workarounds")
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
-    "cuda-streams", "cuda-synchronize", "batch-p2p-sync",
+    "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
 }
 
 
@@ -58,6 +58,22 @@ def test_paged_stash_import_needed_and_works() -> None:
     )
     assert stubbed.returncode == 0, stubbed.stderr
     assert "needs triton" in stubbed.stdout
+
+
+def test_jit_fuser_off_needed_and_works() -> None:
+    probe = ("import torch\n"
+             "from deadpool_megatron.rehearsal import prepare_megatron_import\n"
+             "prepare_megatron_import({})\n"
+             "import megatron.core.transformer.utils\n"
+             "from megatron.core import jit\n"
+             "print('compile' if jit.jit_fuser is torch.compile else "
+             "'off' if jit.jit_fuser is jit.noop_decorator else jit.jit_fuser)\n")
+    bare = _python(probe.format("False"))
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.strip() == "compile", (
+        "megatron.core no longer uses torch.compile as its JIT fuser: retire 'jit-fuser-off'")
+    off = _python(probe.format("True"))
+    assert off.returncode == 0 and off.stdout.strip() == "off", off.stderr
 
 
 def test_cpu_rng_tracker_needed_and_works() -> None:

@@ -1,7 +1,11 @@
 """The worker side of the control plane: heartbeats, generation watch, assignments.
 
-Every blocking call polls the store with a deadline and also watches for shutdown, so no
-worker waits forever on a job that has ended.
+Declarations are pushed, not polled: a watcher thread blocks in the store's `wait` on the
+next generation's membership key and wakes the moment host 0 writes it (well under a
+millisecond here). Heartbeats are one write per period. So a worker costs the store a few
+requests a second, however many workers there are, and a loaded machine never delays a
+heartbeat behind a queue of polls. Every blocking call has a deadline and also watches for
+shutdown, so no worker waits forever on a job that has ended.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import torch.distributed as dist
 from deadpool_megatron.control import keys
 
 log = logging.getLogger("deadpool_megatron.control")
-POLL_S = 0.01
-WATCH_S = 0.02
+POLL_S = 0.01  # rendezvous polling (short-lived)
+SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
 
 
 class JobShutdown(RuntimeError):
@@ -38,13 +42,17 @@ class ControlClient:
         self.heartbeat_s = heartbeat_s
         self.host, self.port = host, port
         self.store = self._connect()
+        self._cond = threading.Condition()
+        self._latest = int(self.store.get(keys.GENERATION))  # newest declared generation
         self._watch_gen = -1
         self._on_new_generation: Callable[[int], None] | None = None
-        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="deadpool-heartbeat",
-                                        daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._beat, name="deadpool-heartbeat",
+                                          daemon=True),
+                         threading.Thread(target=self._watch_declarations,
+                                          name="deadpool-watch", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     @classmethod
     def from_env(cls) -> "ControlClient | None":
@@ -67,40 +75,55 @@ class ControlClient:
                               timeout=timedelta(seconds=self.timeout_s))
         return dist.PrefixStore(keys.epoch_prefix(self.epoch), store)
 
-    # -- heartbeat and generation watch (own thread, own connection) ----------------------
+    # -- background threads, each with its own connection ---------------------------------
     def _beat(self) -> None:
-        """Heartbeat every heartbeat_s; look for a new generation every WATCH_S."""
         store = self._connect()
-        last_beat = 0.0
         while not self._stop.is_set():
             try:
-                if time.monotonic() - last_beat >= self.heartbeat_s:
-                    store.set(keys.heartbeat(self.worker), repr(time.time()))
-                    last_beat = time.monotonic()
-                generation = int(store.get(keys.GENERATION))
+                store.set(keys.heartbeat(self.worker), repr(time.time()))
             except Exception:  # noqa: BLE001 - the launcher is gone: the job is over
                 return
-            with self._lock:
+            self._stop.wait(self.heartbeat_s)
+
+    def _watch_declarations(self) -> None:
+        """Block on the next generation's membership key; on each declaration, record it and
+        call the watcher (host 0 writes replaced, then members, then the generation)."""
+        store = self._connect()
+        seen = self._latest
+        while not self._stop.is_set():
+            try:
+                store.wait([keys.members(seen + 1)], timedelta(seconds=self.timeout_s))
+            except dist.DistStoreError:
+                continue  # no declaration within the timeout: keep waiting
+            except Exception:  # noqa: BLE001 - the launcher is gone
+                return
+            seen += 1
+            with self._cond:
+                self._latest = max(self._latest, seen)
                 callback, watched = self._on_new_generation, self._watch_gen
-                if callback is not None and generation > watched:
+                if callback is not None and seen > watched:
                     self._on_new_generation = None
-            if callback is not None and generation > watched:
-                callback(generation)
-            self._stop.wait(WATCH_S)
+                self._cond.notify_all()
+            if callback is not None and seen > watched:
+                callback(seen)
 
     def watch(self, generation: int, on_new_generation: Callable[[int], None]) -> None:
-        """Call `on_new_generation` once, from the heartbeat thread, when one is declared."""
-        with self._lock:
+        """Call `on_new_generation` once, from the watcher thread (or now, if one is already
+        declared), when a generation newer than `generation` is declared."""
+        with self._cond:
+            newer = self._latest > generation
             self._watch_gen = generation
-            self._on_new_generation = on_new_generation
+            self._on_new_generation = None if newer else on_new_generation
+        if newer:
+            on_new_generation(self._latest)
 
     def unwatch(self) -> None:
-        with self._lock:
+        with self._cond:
             self._on_new_generation = None
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * self.heartbeat_s + 1)
+        self._threads[0].join(timeout=2 * self.heartbeat_s + 1)
 
     # -- queries --------------------------------------------------------------------------
     def generation(self) -> int:
@@ -114,14 +137,15 @@ class ControlClient:
             return {}
         return {int(r): w for r, w in json.loads(self.store.get(keys.replaced(generation))).items()}
 
-    def _check_shutdown(self) -> None:
+    def check_shutdown(self) -> None:
+        """Raise JobShutdown if the launcher has ended the job."""
         if self.store.check([keys.SHUTDOWN]):
             raise JobShutdown(self.store.get(keys.SHUTDOWN).decode())
 
     def _poll(self, what: str, ready: Callable[[], object], timeout_s: float | None = None):
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
-            self._check_shutdown()
+            self.check_shutdown()
             value = ready()
             if value is not None:
                 return value
@@ -130,32 +154,41 @@ class ControlClient:
                                    f"{timeout_s or self.timeout_s:.0f} s")
             time.sleep(POLL_S)
 
+    def _wait_declared_after(self, generation: int, timeout_s: float) -> int:
+        """Block until a generation after `generation` is declared; return the newest."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._latest > generation:
+                    return self._latest
+                self._cond.wait(SHUTDOWN_CHECK_S)
+                if self._latest > generation:
+                    return self._latest
+            self.check_shutdown()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker}: no generation after {generation} "
+                                   f"within {timeout_s:.0f} s")
+
     # -- blocking steps ---------------------------------------------------------------------
     def wait_for_assignment(self) -> tuple[int, int]:
         """Spares: block until a generation gives this worker a rank; (generation, rank)."""
-        def assigned() -> tuple[int, int] | None:
-            generation = self.generation()
+        generation = self._latest
+        while True:
             for rank, worker in self.members(generation).items():
                 if worker == self.worker:
                     return generation, rank
-            return None
-
-        return self._poll("assignment", assigned, timeout_s=float("inf"))
+            generation = self._wait_declared_after(generation, float("inf"))
 
     def wait_generation_after(self, generation: int) -> int:
         """Survivors after an error: block until the launcher declares a newer generation."""
-        def newer() -> int | None:
-            g = self.generation()
-            return g if g > generation else None
-
-        return self._poll(f"generation after {generation}", newer)
+        return self._wait_declared_after(generation, self.timeout_s)
 
     def rendezvous(self, generation: int, world_size: int) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile."""
         self.store.add(keys.joined(generation), 1)
 
         def all_joined() -> bool | None:
-            if self.generation() != generation:
+            if self._latest != generation:
                 return False
             return True if self.store.add(keys.joined(generation), 0) >= world_size else None
 

@@ -122,15 +122,21 @@ class Coordinator:
 
     def _scan_heartbeats(self, now: float) -> None:
         """A worker whose heartbeat stops is lost (hung, or its host is gone): declare it
-        and ask its host to kill it, in case that host still lives."""
-        for worker in [*self.current.values(), *self.spares]:
-            if worker in self.gone or not self.store.check([keys.heartbeat(worker)]):
-                continue
-            beat = self.store.get(keys.heartbeat(worker))
-            last = self._beats.get(worker)
-            if last is None or last[0] != beat:
+        and ask its host to kill it, in case that host still lives. One multi_get reads
+        every known heartbeat."""
+        watched = [w for w in [*self.current.values(), *self.spares] if w not in self.gone]
+        for worker in watched:
+            if worker not in self._beats and self.store.check([keys.heartbeat(worker)]):
+                self._beats[worker] = (b"", now)
+        known = [w for w in watched if w in self._beats]
+        if not known:
+            return
+        beats = self.store.multi_get([keys.heartbeat(w) for w in known])
+        for worker, beat in zip(known, beats):
+            last_beat, since = self._beats[worker]
+            if beat != last_beat:
                 self._beats[worker] = (beat, now)
-            elif now - last[1] > self.cfg.heartbeat_timeout and not self._done(worker):
+            elif now - since > self.cfg.heartbeat_timeout and not self._done(worker):
                 self.store.set(keys.kill_request(worker), "hung")
                 self.store.add(keys.KILLS, 1)
                 self._lost(worker, now, how="heartbeat")
@@ -145,8 +151,10 @@ class Coordinator:
                                  {s: host_of(s, self.cfg.nproc_per_node) for s in self.spares})
         except RecoveryImpossible as err:
             raise EpochEnded(3, str(err)) from None
-        self.store.set(keys.members(plan.generation), json.dumps(plan.rank_to_worker))
+        # Workers wake on the members key (control/client.py), so it is written after the
+        # replaced ranks and before the generation number.
         self.store.set(keys.replaced(plan.generation), json.dumps(plan.replaced))
+        self.store.set(keys.members(plan.generation), json.dumps(plan.rank_to_worker))
         self.store.set(keys.GENERATION, str(plan.generation))
         self.events.emit("generation_declared", generation=plan.generation,
                          failed_ranks=sorted(failed_ranks),

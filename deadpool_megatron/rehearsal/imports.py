@@ -1,8 +1,14 @@
-"""Make `import megatron.core` work where triton is not installed (the CPU torch wheel).
+"""Make `import megatron.core` work where triton is not installed (the CPU torch wheel),
+and cheap in CPU rehearsal.
 
 megatron-core 0.19 imports its MoE paged-stash Triton kernels at import time, reached from
 `megatron.core.pipeline_parallel.schedules`. Dense GPT training never calls them, so when
 triton is absent we serve that single module as a stub whose kernels raise if launched.
+
+Its JIT fuser is `torch.compile`, applied as modules load: that imports torch._dynamo and
+inductor (~2.4 s of every process's start on our CPUs) for fused kernels that the dense
+CPU rehearsal never calls. In CPU rehearsal, Megatron's own `disable_jit_fuser()` runs as
+soon as `megatron.core.jit` has loaded, before any module decorates with it.
 """
 
 from __future__ import annotations
@@ -50,15 +56,45 @@ class _PagedStashStubFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _PagedStashStubLoader())
 
 
+MEGATRON_JIT = "megatron.core.jit"
+
+
+class _JitFuserOffLoader(importlib.abc.Loader):
+    def __init__(self, real: importlib.abc.Loader) -> None:
+        self.real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.real.exec_module(module)
+        module.disable_jit_fuser()
+
+
+class _JitFuserOffFinder(importlib.abc.MetaPathFinder):
+    """Finds the real megatron.core.jit and switches its fuser off once it has loaded."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):
+        if fullname != MEGATRON_JIT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _JitFuserOffLoader(spec.loader)
+        return spec
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def prepare_megatron_import() -> bool:
+def prepare_megatron_import(cpu_rehearsal: bool = False) -> bool:
     """Install the paged-stash stub if triton is missing; returns whether it is installed.
+    With cpu_rehearsal, also switch Megatron's JIT fuser off as it loads.
 
     Idempotent. Call it before the first `import megatron.core` of the process.
     """
+    if cpu_rehearsal and not any(isinstance(f, _JitFuserOffFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _JitFuserOffFinder())
     if triton_available():
         return False
     if not any(isinstance(f, _PagedStashStubFinder) for f in sys.meta_path):

@@ -65,4 +65,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "switch batch_p2p_sync=False turns it off (gloo waits on its requests anyway).",
         ("pipeline_parallel/p2p_communication.py:419",),
     ),
+    Workaround(
+        "jit-fuser-off",
+        "Megatron's JIT fuser is torch.compile, applied as modules load, which imports dynamo "
+        "and inductor (~1.5 s of each process's start here) for fused kernels the dense CPU "
+        "rehearsal never calls; Megatron's own disable_jit_fuser() runs as megatron.core.jit "
+        "loads. (moe/router.py still imports dynamo through a direct @torch.compile.)",
+        ("jit.py:21", "fusions/fused_bias_geglu.py:16", "transformer/moe/router.py:918"),
+    ),
 )

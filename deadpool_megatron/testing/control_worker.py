@@ -40,7 +40,7 @@ def main() -> int:
                         time.monotonic() - start > args.fail_after:
                     print(f"rank {rank} fails on cue", flush=True)
                     os._exit(1)
-                ctl._check_shutdown()
+                ctl.check_shutdown()
                 time.sleep(0.05)
         ctl.mark_done()
     except JobShutdown as end:

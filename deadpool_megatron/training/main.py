@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -24,6 +26,8 @@ def _setup_logging() -> None:
     )
     # Megatron-Core logs every bucket and config field at INFO; keep its warnings only.
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # `kill -USR1 <pid>` prints every thread's stack: how to see where a worker is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import, rehearsal_needed
 
-    prepare_megatron_import()
-    rehearsal = CpuRehearsal() if rehearsal_needed(cfg.distributed_backend) else None
+    cpu_rehearsal = rehearsal_needed(cfg.distributed_backend)
+    prepare_megatron_import(cpu_rehearsal)
+    rehearsal = CpuRehearsal() if cpu_rehearsal else None
     with rehearsal or contextlib.nullcontext():
         if ctl is not None:
             thread_context = rehearsal.thread_mode if rehearsal else contextlib.nullcontext
