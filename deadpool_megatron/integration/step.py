@@ -23,8 +23,7 @@ def _forward_step(phase_hook: Callable[[str], None], seen: list[bool],
                   data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
     first = not seen
     seen.append(True)
-    if first:
-        phase_hook("forward")
+    phase_hook("forward" if first else "microbatch")
     batch = next(data_iterator)
     device = next(model.parameters()).device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -69,3 +69,36 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                             timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
     init_megatron_groups(cfg)
     return True
+
+
+def sever_connections(keep_ports: set[int]) -> int:
+    """Shut down every established TCP connection of this process except those to or from
+    `keep_ports` (the control-plane store); returns how many were cut.
+
+    Called between generations, before any new group exists: what remains are the broken
+    generation's gloo pairs. A collective blocked on one of them (in the abandoned training
+    thread, here or on a peer) then fails at once, as if the peer had died, instead of
+    waiting out its timeout and waking, minutes later, inside the new generation.
+    """
+    import socket
+
+    import psutil
+
+    cut = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_ESTABLISHED or conn.fd < 0 or not conn.raddr:
+            continue
+        if conn.laddr.port in keep_ports or conn.raddr.port in keep_ports:
+            continue
+        try:
+            dup = socket.socket(fileno=os.dup(conn.fd))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+            cut += 1
+        except OSError:
+            pass
+        finally:
+            dup.close()
+    return cut

@@ -61,6 +61,7 @@ class _Pipeline:
     job: _Job | None = None
     failure: BaseException | None = None
     thread: threading.Thread | None = None
+    abandoned: bool = False
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -116,10 +117,17 @@ class SnapshotEngine(TrainingHooks):
         return self.pipe.group
 
     def abandon(self) -> None:
-        """Forget the current generation's worker without waiting for it (see _Pipeline)."""
-        if self.pipe is not None and self.pipe.thread is not None:
-            self.pipe.queue.put(None)
-        self.pipe = None
+        """Forget the current generation's worker without waiting for it (see _Pipeline),
+        and wake a training thread waiting on it: its wait then raises."""
+        pipe, self.pipe = self.pipe, None
+        if pipe is None:
+            return
+        pipe.abandoned = True
+        if pipe.thread is not None:
+            pipe.queue.put(None)
+        pipe.idle.set()
+        if pipe.job is not None:
+            pipe.job.copied.set()
 
     def _start(self, state: LoopState) -> None:
         """At the first snapshot: torch's Adam creates its state at the first step, so the
@@ -171,7 +179,7 @@ class SnapshotEngine(TrainingHooks):
         pipe = self.pipe
         if pipe.thread is None:
             self._start(state)
-        self._wait(pipe.idle, "the previous snapshot to commit")
+        self._wait(pipe, pipe.idle, "the previous snapshot to commit")
         job = _Job(generation=state.iteration,
                    objects=capture_objects(self.manifest, state.objects, state.iteration,
                                            state.consumed_samples))
@@ -183,9 +191,10 @@ class SnapshotEngine(TrainingHooks):
         pipe.queue.put(job)
 
     def before_optimizer_step(self, state: LoopState) -> None:
-        job = self.pipe.job if self.pipe is not None else None
-        if job is not None:
-            self._wait(job.copied, f"the local copy of generation {job.generation}")
+        pipe = self.pipe
+        if pipe is not None and pipe.job is not None:
+            self._wait(pipe, pipe.job.copied, f"the local copy of generation "
+                                              f"{pipe.job.generation}")
         self._raise_if_failed()
 
     def on_train_end(self, state: LoopState) -> None:
@@ -207,7 +216,7 @@ class SnapshotEngine(TrainingHooks):
     def drain(self) -> None:
         """Wait until the in-flight generation is committed or abandoned."""
         if self.pipe is not None:
-            self._wait(self.pipe.idle, "the last snapshot to commit")
+            self._wait(self.pipe, self.pipe.idle, "the last snapshot to commit")
         self._raise_if_failed()
 
     def stop(self) -> None:
@@ -323,12 +332,15 @@ class SnapshotEngine(TrainingHooks):
             f"{prior.crc:08x}" if prior else None)
 
     # -- helpers ---------------------------------------------------------------------
-    def _wait(self, event: threading.Event, what: str) -> None:
+    def _wait(self, pipe: _Pipeline, event: threading.Event, what: str) -> None:
         t0 = time.perf_counter()
         if not event.wait(self.timeout.total_seconds()):
             raise SnapshotError(f"rank {self.rank}: timed out after "
                                 f"{self.timeout.total_seconds():.0f} s waiting for {what} "
                                 f"(--deadpool-snapshot-timeout)")
+        if pipe.abandoned:
+            raise SnapshotError(f"rank {self.rank}: snapshot generation abandoned while "
+                                f"waiting for {what}")
         self.stats.main_wait_s += time.perf_counter() - t0
 
     def _raise_if_failed(self) -> None:

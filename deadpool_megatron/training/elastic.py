@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from functools import partial
 from typing import Callable, ContextManager
 
@@ -24,37 +25,83 @@ from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.integration.distributed import destroy_process_groups
-from deadpool_megatron.reconstruct.groups import join_generation, leave_generation
-from deadpool_megatron.training.hooks import LoopState
+from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
+                                                  sever_connections)
+from deadpool_megatron.training.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.elastic")
+STOP_TIMEOUT_S = 5.0  # how long a survivor waits for its broken generation's thread to end
 
 
 class GenerationBroken(RuntimeError):
     """A newer generation was declared while this one was training."""
 
 
-def _run_in_thread(body: Callable[[], None], declared: threading.Event,
-                   thread_context: Callable[[], ContextManager]) -> None:
-    """Run one generation's training in a thread; return when it ends or when a new
-    generation is declared (then the thread is abandoned: gloo cannot free it)."""
-    outcome: dict[str, BaseException] = {}
+class GenerationThread:
+    """One generation's training in a thread of its own, so the main thread can leave a
+    broken generation at once (gloo cannot free a collective blocked in another thread)."""
 
-    def target() -> None:
+    def __init__(self, body: Callable[[TrainingHooks], None],
+                 thread_context: Callable[[], ContextManager]) -> None:
+        self.cancelled = threading.Event()
+        self._body, self._context = body, thread_context
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._target, name="deadpool-train",
+                                        daemon=True)
+
+    def _target(self) -> None:
         try:
-            with thread_context():
-                body()
+            with self._context():
+                self._body(_StopWhenCancelled(self.cancelled))  # the loop's first hook
         except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
-            outcome["error"] = err
+            self._error = err
 
-    worker = threading.Thread(target=target, name="deadpool-train", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.005)
-        if declared.is_set() and worker.is_alive():
-            raise GenerationBroken("a new generation was declared")
-    if "error" in outcome:
-        raise outcome["error"]
+    def run(self, declared: threading.Event) -> None:
+        """Return when training ends; raise its error, or GenerationBroken as soon as a
+        new generation is declared."""
+        self._thread.start()
+        while self._thread.is_alive():
+            self._thread.join(0.005)
+            if declared.is_set() and self._thread.is_alive():
+                raise GenerationBroken("a new generation was declared")
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the thread to stop at its next safe point (_StopWhenCancelled) and wait; True if
+        it ended. Called after the broken generation's connections are cut, so a thread
+        blocked in a collective fails out too; one that does not end in time is left."""
+        self.cancelled.set()
+        if self._thread.ident is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def where(self) -> str:
+        """The thread's current stack (to say where a thread that would not stop is)."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        return "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "ended"
+
+
+class _StopWhenCancelled(TrainingHooks):
+    """Raises in an abandoned training thread at its next micro-batch or step boundary, so it
+    never touches the model, optimizer or RNG state again."""
+
+    def __init__(self, cancelled: threading.Event) -> None:
+        self.cancelled = cancelled
+
+    def _check(self) -> None:
+        if self.cancelled.is_set():
+            raise GenerationBroken("this generation was abandoned")
+
+    def on_phase(self, phase: str, state: LoopState) -> None:
+        self._check()
+
+    def before_optimizer_step(self, state: LoopState) -> None:
+        self._check()
+
+    def after_iteration(self, state: LoopState) -> None:
+        self._check()
 
 
 def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
@@ -95,7 +142,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     old_groups: list = []  # kept only for --deadpool-audit-groups
 
     def _train_generation(generation: int, recovering: bool, t0: float,
-                          t_groups: float) -> None:
+                          t_groups: float, stop_hook: TrainingHooks) -> None:
             set_seeds(cfg.seed)
             state = LoopState(iteration=0, consumed_samples=0,
                               objects=build_training_objects(cfg, cpu_rehearsal))
@@ -126,12 +173,13 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                              sorted(replaced), restored + 1)
             elif cfg.load:
                 checkpointer.load(state)
-            train(cfg, dataset, state, hooks=[engine, injector.hooks()],
+            train(cfg, dataset, state, hooks=[stop_hook, engine, injector.hooks()],
                   checkpointer=checkpointer,
                   on_iteration=lambda s: _first_step_after(events, s, recovering))
             finish(state)
 
     while True:
+        trainer: GenerationThread | None = None
         try:
             t0 = time.perf_counter()
             if not join_generation(ctl, generation, rank, world, cfg):
@@ -140,8 +188,9 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             declared = threading.Event()
             ctl.watch(generation, lambda g: declared.set())
             t_groups = time.perf_counter()
-            _run_in_thread(partial(_train_generation, generation, recovering, t0, t_groups),
-                           declared, thread_context)
+            trainer = GenerationThread(partial(_train_generation, generation, recovering, t0,
+                                               t_groups), thread_context)
+            trainer.run(declared)
             ctl.unwatch()
             ctl.mark_done()
             destroy_process_groups()
@@ -158,14 +207,23 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             os._exit(3 if isinstance(err, RecoveryImpossible) else 1)
         except Exception as err:  # noqa: BLE001 - a peer failed: recover
             failed_at = time.time()
+            if trainer is not None:
+                trainer.cancelled.set()  # before anything it may be waiting on is released
             ctl.unwatch()
             if ft.deadpool_audit_groups:
                 from deadpool_megatron.reconstruct.groups import live_groups
 
                 old_groups += live_groups()
             engine.abandon()
+            severed = sever_connections({ctl.port})
+            stopped = trainer is None or trainer.stop(STOP_TIMEOUT_S)
+            if not stopped:
+                log.warning("rank %d: the training thread of generation %d did not stop "
+                            "within %.0f s; leaving it behind, at:\n%s", rank, generation,
+                            STOP_TIMEOUT_S, trainer.where())
             leave_generation()
-            events.emit("abort", generation=generation, error=str(err)[:300])
+            events.emit("abort", generation=generation, error=str(err)[:300],
+                        severed=severed, thread_stopped=stopped)
             log.warning("rank %d: generation %d broken (%s); waiting for the next one",
                         rank, generation, str(err).splitlines()[0][:160])
             try:

@@ -26,7 +26,8 @@ class TrainingHooks:
         """After the model, optimizer and data position exist (fresh, loaded or restored)."""
 
     def on_phase(self, phase: str, state: LoopState) -> None:
-        """'forward' at the first micro-batch's forward, 'backward' during its backward."""
+        """'forward' at the first micro-batch's forward, 'backward' during its backward,
+        'microbatch' at each later micro-batch's forward (a point to stop safely)."""
 
     def before_optimizer_step(self, state: LoopState) -> None:
         """Between backward and the optimizer step: the last point before state mutates."""
