@@ -4,6 +4,7 @@ of the failure-free run, for every fault case; impossible cases end cleanly and 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,17 +69,23 @@ def test_gold_rank_killed_mid_iteration(tmp_path: Path, failure_free: str) -> No
 
 @pytest.mark.fault_matrix
 @pytest.mark.parametrize("name, faults", [
-    ("rank0_first_stage_forward", ["kill rank=0 iter=3 phase=forward"]),
-    ("last_stage_in_optimizer", ["kill rank=6 iter=5 phase=optimizer"]),
-    ("raised_exception", ["raise rank=1 iter=3 phase=forward"]),
-    ("hung_rank", ["hang rank=2 iter=4 phase=backward"]),
+    # Two failures in sequence, each a case of its own: rank 0 (a first pipeline stage) in
+    # forward, then rank 6 (a last stage) inside the optimizer step.
+    ("rank0_forward_then_last_stage_in_optimizer",
+     ["kill rank=0 iter=3 phase=forward", "kill rank=6 iter=5 phase=optimizer"]),
+    # A raised exception, then a hung rank (SIGSTOP, found by missed heartbeats).
+    ("raised_then_hung", ["raise rank=1 iter=3 phase=forward",
+                          "hang rank=2 iter=5 phase=backward"]),
 ])
-def test_single_failures(tmp_path: Path, failure_free: str, name: str,
-                         faults: list[str]) -> None:
+def test_failures_in_sequence(tmp_path: Path, failure_free: str, name: str,
+                              faults: list[str]) -> None:
     # Only the hung rank needs a short heartbeat timeout; elsewhere the default (10 s)
     # keeps a starved-but-alive worker on this 2-core machine from being declared hung.
-    run, _ = _launch(tmp_path, name, faults, heartbeat_timeout=3.0 if "hung" in name else 10.0)
-    _assert_recovered(run, failure_free)
+    run, events = _launch(tmp_path, name, faults,
+                          heartbeat_timeout=3.0 if "hung" in name else 10.0)
+    _assert_recovered(run, failure_free, recoveries=2)
+    how = [e.get("how") for e in _events(events) if e["event"] == "failure_detected"]
+    assert how == ["exit", "heartbeat" if "hung" in name else "exit"], how
 
 
 @pytest.mark.fault_matrix
@@ -93,16 +100,13 @@ def test_whole_host_of_two(tmp_path: Path, failure_free: str) -> None:
                     tmp_path / "host", timeout_s=400, env=ENV)
     assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
     assert run.fingerprint == failure_free, run.describe()
-    assert "generation 1: ranks [4, 5, 6, 7] failed" in run.logs[0], run.describe()
+    # The injected kills fire as each rank reaches iteration 4, so they may arrive over a
+    # few hundred ms and be declared in more than one generation; all four are replaced.
+    failed = {int(r) for ranks in re.findall(r"generation \d+: ranks \[([\d, ]+)\] failed",
+                                              run.logs[0]) for r in ranks.split(", ")}
+    assert failed == {4, 5, 6, 7}, run.describe()
     spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["spare"]}
     assert spares == {4, 5, 6, 7}
-
-
-@pytest.mark.fault_matrix
-def test_two_failures_in_sequence(tmp_path: Path, failure_free: str) -> None:
-    run, _ = _launch(tmp_path, "two", ["kill rank=3 iter=3 phase=backward",
-                                       "kill rank=4 iter=6 phase=forward"])
-    _assert_recovered(run, failure_free, recoveries=2)
 
 
 @pytest.mark.fault_matrix
@@ -130,7 +134,7 @@ def test_shard_and_buddy_lost_together_ends_cleanly(tmp_path: Path) -> None:
     # tp=1,dp=0 is rank 1 (first stage) and rank 5, its buddy (last stage); a 2 s failure
     # window gathers both deaths into one declaration.
     run, _ = _launch(tmp_path, "buddy_lost", ["kill tp=1,dp=0 iter=3 phase=optimizer"],
-                     window=2.0)
+                     window=2.0, spares=0)
     assert not run.timed_out and run.returncodes == [3], run.describe()
     assert "the in-memory shards of ranks [1, 5] are lost" in run.output
     assert "generation 0" in run.output

@@ -50,7 +50,7 @@ def test_exit_on_another_host_is_reported_and_replaced_away_from_its_buddy(
 def test_lost_host_is_declared_once_and_replaced_by_the_other_hosts_spares(
         tmp_path: Path) -> None:
     """Host 1's launcher and workers are SIGKILLed together: only heartbeats tell."""
-    run = _hosts(tmp_path, "lost", [2, 0], ["--seconds", "12"],
+    run = _hosts(tmp_path, "lost", [2, 0], ["--seconds", "9"],
                  kill_host=(1, "is rank 3", 1.0))
     assert run.returncodes[0] == 0 and run.returncodes[1] == -9, run.describe()
     assert "missed heartbeats" in run.logs[0], run.describe()
