@@ -126,9 +126,6 @@ class ControlClient:
         self._threads[0].join(timeout=2 * self.heartbeat_s + 1)
 
     # -- queries --------------------------------------------------------------------------
-    def generation(self) -> int:
-        return int(self.store.get(keys.GENERATION))
-
     def members(self, generation: int) -> dict[int, str]:
         return {int(r): w for r, w in json.loads(self.store.get(keys.members(generation))).items()}
 
