@@ -69,6 +69,14 @@ def test_checkpoint_fallback_restarts_every_host(tmp_path: Path) -> None:
         assert f"worker w{rank} is rank {rank} in epoch 1" in run.logs[1], run.describe()
 
 
+def test_a_host_that_never_joins_ends_the_job_with_its_name(tmp_path: Path) -> None:
+    hosts = [["--nproc-per-node", "2", "--nnodes", "2", "--join-timeout", "3", *HB]]
+    run = run_hosts(hosts, ["--seconds", "30"], tmp_path / "alone", timeout_s=120,
+                    script=WORKER)
+    assert run.returncodes == [1] and not run.timed_out, run.describe()
+    assert "ending the job: hosts [1] never joined within --join-timeout 3 s" in run.logs[0]
+
+
 @pytest.mark.parametrize("kw, expected", [
     ({"node_rank": 1, "nnodes": 2}, "--node-rank > 0 needs the --master-port of host 0"),
     ({"node_rank": 2, "nnodes": 2, "master_port": 29500}, "--node-rank 2 must be in"),

@@ -49,7 +49,8 @@ class Coordinator:
         self.generation = 0
         self.current = {r: f"w{r}" for r in range(self.world)}
         self.spares: list[str] = []
-        self.hosts_seen: set[int] = set()
+        self.hosts_seen: dict[int, list[str]] = {}  # host -> its workers (ranks, spares)
+        self.silent: set[str] = set()  # lost by missed heartbeats
         self.gone: set[str] = set()  # exited, or declared lost by heartbeat
         self.failed: set[str] = set()
         self.declare_at = 0.0
@@ -87,14 +88,21 @@ class Coordinator:
             return
         for host in range(self.cfg.nnodes):
             if host not in self.hosts_seen and self.store.check([keys.node_spares(host)]):
-                self.hosts_seen.add(host)
-                self.spares += [s for s in json.loads(self.store.get(keys.node_spares(host)))
-                                if s not in self.gone]
+                spares = json.loads(self.store.get(keys.node_spares(host)))
+                n = self.cfg.nproc_per_node
+                self.hosts_seen[host] = [f"w{r}" for r in range(host * n, (host + 1) * n)]
+                self.hosts_seen[host] += spares
+                self.spares += [s for s in spares if s not in self.gone]
         if len(self.hosts_seen) < self.cfg.nnodes and time.monotonic() > self._join_deadline:
-            missing = sorted(set(range(self.cfg.nnodes)) - self.hosts_seen)
+            missing = sorted(set(range(self.cfg.nnodes)) - set(self.hosts_seen))
             raise EpochEnded(1, f"hosts {missing} never joined within --join-timeout "
                                 f"{self.cfg.join_timeout:.0f} s; start one deadpool-launch "
                                 f"per host with --master-addr/--master-port of host 0")
+
+    def live_hosts(self) -> set[int]:
+        """Hosts that joined and did not fall silent as a whole (a lost host)."""
+        return {h for h, workers in self.hosts_seen.items()
+                if not all(w in self.silent for w in workers)}
 
     def _done(self, worker: str) -> bool:
         return self.store.check([keys.done(worker)])
@@ -139,6 +147,7 @@ class Coordinator:
             elif now - since > self.cfg.heartbeat_timeout and not self._done(worker):
                 self.store.set(keys.kill_request(worker), "hung")
                 self.store.add(keys.KILLS, 1)
+                self.silent.add(worker)
                 self._lost(worker, now, how="heartbeat")
 
     def _declare(self) -> None:

@@ -51,6 +51,7 @@ class Launcher:
         self.allow_same_node = "--deadpool-allow-same-node-buddy" in script_args
         self.save_dir = _flag_value(script_args, "--save")
         self.root: dist.TCPStore | None = None
+        self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
 
     def _cmd(self, epoch: int) -> list[str]:
         """Epochs after the first resume from the durable checkpoint."""
@@ -116,17 +117,22 @@ class Launcher:
                 coordinator.tick(time.monotonic())
                 time.sleep(TICK_S)
         except EpochEnded as end:
-            if end.returncode != 0:
+            if end.returncode == RECOVERY_IMPOSSIBLE:
                 log.error("deadpool-launch: hot-swap impossible: %s", end)
                 events.emit("recovery_impossible", reason=str(end))
+            elif end.returncode != 0:
+                log.error("deadpool-launch: ending the job: %s", end)
+            if end.returncode != 0:
                 workers.store.set(keys.SHUTDOWN, str(end))
             workers.stop(cfg.shutdown_timeout)
+            self.joined_hosts = coordinator.live_hosts()
             return end.returncode
 
     def _wait_for_byes(self) -> None:
-        """Keep the store up until every other host has read the end (bounded)."""
+        """Keep the store up until every other live host has read the end (bounded; a
+        host lost as a whole is not waited for)."""
         deadline = time.monotonic() + self.cfg.shutdown_timeout
-        others = [keys.bye(n) for n in range(1, self.cfg.nnodes)]
+        others = [keys.bye(n) for n in sorted(self.joined_hosts - {0})]
         while others and not self.root.check(others) and time.monotonic() < deadline:
             time.sleep(0.05)
 
