@@ -63,7 +63,7 @@ def test_gold_rank_killed_mid_iteration(tmp_path: Path, failure_free: str) -> No
     for phase in ("fault_injected", "failure_detected", "generation_declared", "abort",
                   "left_generation", "recovered", "step_completed"):
         assert phase in names, names
-    spare = [e for e in ev if e["event"] == "recovered" and e["spare"]]
+    spare = [e for e in ev if e["event"] == "recovered" and e["from_buddy"]]
     assert len(spare) == 1 and spare[0]["rank"] == 5 and spare[0]["restored"] == 3
 
 
@@ -105,7 +105,8 @@ def test_whole_host_of_two(tmp_path: Path, failure_free: str) -> None:
     failed = {int(r) for ranks in re.findall(r"generation \d+: ranks \[([\d, ]+)\] failed",
                                               run.logs[0]) for r in ranks.split(", ")}
     assert failed == {4, 5, 6, 7}, run.describe()
-    spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["spare"]}
+    spares = {e["rank"] for e in _events(events)
+              if e["event"] == "recovered" and e["from_buddy"]}
     assert spares == {4, 5, 6, 7}
 
 

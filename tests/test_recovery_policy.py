@@ -87,7 +87,7 @@ def test_timeline_from_events() -> None:
         {"t": t + 0.3, "rank": 0, "event": "abort", "generation": 0},
         {"t": t + 0.4, "rank": 0, "event": "left_generation", "generation": 0, "next": 1},
         {"t": t + 1.0, "rank": 0, "event": "recovered", "generation": 1, "groups_s": 0.2,
-         "total_s": 0.5, "spare": False},
+         "total_s": 0.5, "from_buddy": False},
         {"t": t + 1.5, "rank": 0, "event": "step_completed", "iteration": 5},
     ]
     (line,) = timelines(ev)

@@ -43,8 +43,10 @@ def choose_generation(own: list[list[int]], ward: list[list[int]], replaced: set
 
 
 def recover_state(engine: SnapshotEngine, state: LoopState, replaced: set[int],
-                  generation: int, distributed_optimizer: bool) -> int:
-    """Collective over the new generation; returns the snapshot generation restored."""
+                  generation: int, distributed_optimizer: bool) -> tuple[int, bool]:
+    """Collective over the new generation; returns the snapshot generation restored and
+    whether this rank's shard came from its buddy (a spare, including one that took its
+    rank in an earlier generation whose recovery was cut short)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rpn = engine.ft.ranks_per_node(world)
     allow = engine.ft.deadpool_allow_same_node_buddy
@@ -88,4 +90,4 @@ def recover_state(engine: SnapshotEngine, state: LoopState, replaced: set[int],
     state.iteration = objects["iteration"]
     state.consumed_samples = objects["consumed_samples"]
     engine.attach(state)
-    return target
+    return target, incoming is not None

@@ -151,8 +151,8 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             if recovering:
                 injector.fire("recovery", generation)
                 replaced = set(ctl.replaced(generation))
-                restored = recover_state(engine, state, replaced, generation,
-                                         cfg.use_distributed_optimizer)
+                restored, from_buddy = recover_state(engine, state, replaced, generation,
+                                                     cfg.use_distributed_optimizer)
                 if ft.deadpool_audit_groups:
                     from deadpool_megatron.reconstruct.audit import reachable_groups, stale_groups
 
@@ -165,7 +165,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                         raise RuntimeError(f"{len(stale)} old-generation groups still held")
                 events.emit("recovered", generation=generation, restored=restored,
                             groups_s=t_groups - t0, total_s=time.perf_counter() - t0,
-                            spare=rank in replaced)
+                            from_buddy=from_buddy)
                 if rank == 0:
                     log.info("recovery: generation %d formed (groups rebuilt in %.0f ms); "
                              "every rank restored snapshot %d (replaced ranks %s); replaying "
