@@ -46,6 +46,14 @@ class DeadPoolConfig:
                       "fresh model restored from its buddy's committed snapshot."),
     )
 
+    deadpool_replay: str = field(
+        default="local",
+        metadata=flag("After a failure, who recomputes the lost micro-batches: 'local' (the "
+                      "replica that lost them, in their order: bit-identical) or 'spread' "
+                      "(dealt over all data-parallel replicas: faster, equal up to "
+                      "floating-point reassociation, and not the same dropout masks).",
+                      choices=["local", "spread"]),
+    )
     deadpool_audit_groups: bool = field(
         default=False,
         metadata=flag("After each recovery, check that no live object holds an old group."),

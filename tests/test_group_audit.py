@@ -9,7 +9,7 @@ from deadpool_megatron.rehearsal import prepare_megatron_import
 
 def test_audit_detects_a_held_old_group() -> None:
     prepare_megatron_import()
-    from deadpool_megatron.reconstruct.audit import reachable_groups, stale_groups
+    from deadpool_megatron.reconstruct.rebind import reachable_groups, stale_references
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=0,
@@ -28,7 +28,7 @@ def test_audit_detects_a_held_old_group() -> None:
     fresh_holder = Holder(dist.new_group([0]))
     try:
         assert len(reachable_groups([fresh_holder])) == 1
-        assert stale_groups([fresh_holder], old) == []
-        assert stale_groups([fresh_holder, stale_holder], old) == [old_sub]
+        assert stale_references([fresh_holder], old) == 0
+        assert stale_references([fresh_holder, stale_holder], old) == 1
     finally:
         dist.destroy_process_group()

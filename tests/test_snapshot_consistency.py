@@ -45,9 +45,10 @@ def test_buddy_copy_restores_exact_state(tmp_path: Path, dist_opt: bool,
     assert run.losses == base.losses
     for rank in range(8):
         ev = _events(events, rank)
-        committed = [e["generation"] for e in ev if e["event"] == "snapshot_committed"]
-        assert committed == [g for g in range(1, ITERS + 1) if g != 3], (rank, committed)
-        assert [e["generation"] for e in ev if e["event"] == "snapshot_not_committed"] == [3]
+        committed = [e["iteration"] for e in ev if e["event"] == "snapshot_committed"]
+        # The starting state (iteration 0) is committed before the first iteration.
+        assert committed == [i for i in range(0, ITERS + 1) if i != 3], (rank, committed)
+        assert [e["iteration"] for e in ev if e["event"] == "snapshot_not_committed"] == [3]
 
 
 def test_sender_killed_mid_transfer_leaves_previous_generation(tmp_path: Path) -> None:
@@ -58,10 +59,10 @@ def test_sender_killed_mid_transfer_leaves_previous_generation(tmp_path: Path) -
     assert not run.ok and run.returncodes[5] == -9, run.describe()
     receiver = 1  # rank 5's buddy with 4 ranks per logical node
     torn = [e for e in _events(events, receiver) if e["event"] == "snapshot_torn"]
-    assert len(torn) == 1 and torn[0]["generation"] == 4, run.describe()
+    assert len(torn) == 1 and torn[0]["iteration"] == 4, run.describe()
     assert torn[0]["committed"] == 3 and torn[0]["committed_intact"] is True
     sender_gen3 = [e for e in _events(events, 5)
-                   if e["event"] == "snapshot_committed" and e["generation"] == 3]
+                   if e["event"] == "snapshot_committed" and e["iteration"] == 3]
     assert sender_gen3 and torn[0]["committed_crc"] == sender_gen3[0]["crc"]
-    assert not any(e["event"] == "snapshot_committed" and e["generation"] == 4
+    assert not any(e["event"] == "snapshot_committed" and e["iteration"] == 4
                    for r in range(8) for e in _events(events, r))

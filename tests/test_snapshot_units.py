@@ -16,7 +16,7 @@ from deadpool_megatron.topology import ParallelSizes
 def _write(buf: DoubleBuffer, gen: int, fill: int) -> None:
     slot = buf.begin_write()
     slot.flat.fill_(fill)
-    slot.objects, slot.generation = b"o", gen
+    slot.objects, slot.iteration = b"o", gen
     slot.crc = checksum(slot.flat, slot.objects)
 
 
@@ -27,11 +27,11 @@ def test_committed_slot_survives_any_number_of_failed_generations() -> None:
     for gen in range(2, 6):  # written, never committed (torn, corrupted...)
         _write(buf, gen, gen)
     slot = buf.committed_slot()
-    assert slot is not None and slot.generation == 1 and slot.verify()
+    assert slot is not None and slot.iteration == 1 and slot.verify()
     assert bool((slot.flat == 1).all())
     _write(buf, 6, 6)
     buf.commit(6)
-    assert buf.committed_slot().generation == 6
+    assert buf.committed_slot().iteration == 6
 
 
 def test_commit_checks_the_generation_and_crc_detects_a_flipped_bit() -> None:

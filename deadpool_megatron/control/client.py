@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deadpool_megatron.control import keys
 
 log = logging.getLogger("deadpool_megatron.control")
-POLL_S = 0.01  # rendezvous polling (short-lived)
+RENDEZVOUS_CHECK_S = 0.05  # how often a rendezvous looks for a newer declaration
 SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
 
 
@@ -139,18 +139,6 @@ class ControlClient:
         if self.store.check([keys.SHUTDOWN]):
             raise JobShutdown(self.store.get(keys.SHUTDOWN).decode())
 
-    def _poll(self, what: str, ready: Callable[[], object], timeout_s: float | None = None):
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        while True:
-            self.check_shutdown()
-            value = ready()
-            if value is not None:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {self.worker}: no {what} within "
-                                   f"{timeout_s or self.timeout_s:.0f} s")
-            time.sleep(POLL_S)
-
     def _wait_declared_after(self, generation: int, timeout_s: float) -> int:
         """Block until a generation after `generation` is declared; return the newest."""
         deadline = time.monotonic() + timeout_s
@@ -181,15 +169,23 @@ class ControlClient:
         return self._wait_declared_after(generation, self.timeout_s)
 
     def rendezvous(self, generation: int, world_size: int) -> bool:
-        """Store barrier of one generation; False if a newer one is declared meanwhile."""
-        self.store.add(keys.joined(generation), 1)
-
-        def all_joined() -> bool | None:
+        """Store barrier of one generation; False if a newer one is declared meanwhile.
+        The last to join writes the ready key, which everyone else is blocked on."""
+        if self.store.add(keys.joined(generation), 1) >= world_size:
+            self.store.set(keys.ready(generation), "1")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.store.wait([keys.ready(generation)], timedelta(seconds=RENDEZVOUS_CHECK_S))
+                return True
+            except dist.DistStoreError:
+                pass
             if self._latest != generation:
                 return False
-            return True if self.store.add(keys.joined(generation), 0) >= world_size else None
-
-        return bool(self._poll(f"rendezvous of generation {generation}", all_joined))
+            self.check_shutdown()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker}: rendezvous of generation "
+                                   f"{generation} incomplete after {self.timeout_s:.0f} s")
 
     def report_failure(self, reason: str) -> None:
         try:

@@ -16,6 +16,10 @@ def joined(generation: int) -> str:
     return f"dp/gen{generation}/joined"
 
 
+def ready(generation: int) -> str:
+    return f"dp/gen{generation}/ready"  # set by the last worker to join the rendezvous
+
+
 def pg_prefix(generation: int) -> str:
     return f"dp/gen{generation}/pg/"
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from deadpool_megatron.faults.spec import FaultSpec
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.training.hooks import LoopState, TrainingHooks
+from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.faults")
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from deadpool_megatron.topology import ParallelSizes, coord_of, node_of
 
 ACTIONS = ("kill", "hang", "raise", "corrupt")
-# 'recovery' fires while the rank recovers into generation iter=N (a failure during recovery).
-PHASES = ("forward", "backward", "optimizer", "snapshot", "recovery")
+# 'reduction' fires once the data-parallel gradient reduction is about to begin (after the
+# barrier: every peer is reducing); 'optimizer' just before the optimizer step; 'recovery'
+# while the rank recovers into generation iter=N (a failure during recovery).
+PHASES = ("forward", "backward", "reduction", "optimizer", "snapshot", "recovery")
 COORD_KEYS = ("tp", "cp", "pp", "dp")
 
 

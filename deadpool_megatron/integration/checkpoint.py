@@ -17,10 +17,10 @@ from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.integration.model import TrainingObjects
 from deadpool_megatron.integration.rng_state import get_rng_state, set_rng_state
 from deadpool_megatron.integration.optimizer_state import (
+    allocate_optimizer_state,
     inner_optimizers,
-    materialize_optimizer_state,
 )
-from deadpool_megatron.training.hooks import LoopState
+from deadpool_megatron.hooks import LoopState
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Megatron-LM's default format for the distributed optimizer: each rank writes its own buffer
@@ -123,7 +123,7 @@ class Checkpointer:
             return False
         path = iteration_dir(root, iteration)
         objs: TrainingObjects = state.objects
-        materialize_optimizer_state(objs.optimizer)
+        allocate_optimizer_state(objs.optimizer)
         loaded = dist_checkpointing.load(self._sharded_state_dict(state, is_loading=True), path)
         with torch.no_grad():  # fp32 main-param shards are views of the model's leaf params
             objs.model[0].module.load_state_dict(loaded["model"])

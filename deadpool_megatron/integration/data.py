@@ -7,8 +7,7 @@ the stream exactly from a snapshot or checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -58,27 +57,21 @@ def build_train_dataset(cfg: TrainConfig, num_samples: int) -> Any:
     return train
 
 
-@dataclass
-class DataPosition:
-    """Where the sample stream stands; the only data state a snapshot needs."""
-
-    consumed_samples: int = 0
-
-
 class MicrobatchIterator:
-    """Yields this rank's micro-batches of one global batch, then stops.
+    """Yields the given micro-batches of one global batch, then stops.
 
     A fresh iterator per iteration keeps the position explicit: replaying an iteration is
-    building this iterator again from the same `consumed_samples`.
+    building this iterator again from the same `consumed_samples`. `items` lists
+    (data-parallel rank, micro-batch index) pairs: a rank's own are (dp_rank, 0..N-1); a
+    spread replay hands a replica some of another replica's.
     """
 
-    def __init__(self, dataset: Any, consumed_samples: int, num_microbatches: int,
-                 micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    def __init__(self, dataset: Any, consumed_samples: int,
+                 items: Sequence[tuple[int, int]], micro_batch_size: int, dp_size: int) -> None:
         self._dataset = dataset
         self._consumed = consumed_samples
-        self._num = num_microbatches
+        self._items = list(items)
         self._mbs = micro_batch_size
-        self._dp_rank = dp_rank
         self._dp_size = dp_size
         self._next = 0
 
@@ -86,11 +79,11 @@ class MicrobatchIterator:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        if self._next >= self._num:
+        if self._next >= len(self._items):
             raise StopIteration
-        indices = microbatch_sample_indices(
-            self._consumed, self._next, self._mbs, self._dp_rank, self._dp_size
-        )
+        dp_rank, index = self._items[self._next]
+        indices = microbatch_sample_indices(self._consumed, index, self._mbs, dp_rank,
+                                            self._dp_size)
         self._next += 1
         samples = [self._dataset[i] for i in indices]
         return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

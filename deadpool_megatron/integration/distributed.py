@@ -27,13 +27,19 @@ def init_process_groups(cfg: TrainConfig) -> None:
 
 
 def init_megatron_groups(cfg: TrainConfig) -> None:
-    """Every Megatron-Core parallel group, over the current default group."""
+    """Every Megatron-Core parallel group, over the current default group.
+
+    No gloo duplicates of the groups: only the dp_zero and memory-efficient
+    fully_reshardable checkpoint formats use them, not the dp_reshardable one we write, and
+    each would cost a rendezvous at start and at every recovery.
+    """
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+        create_gloo_process_groups=False,
     )
 
 

@@ -52,3 +52,14 @@ def job_fingerprint(model: list[Any], optimizer: Any, scheduler: Any, group: Any
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, digest, group=group)
     return combine(gathered)
+
+
+def job_param_norm(model: list[Any], group: Any = None) -> float:
+    """Collective: the L2 norm over every rank's parameters (replicas counted each time),
+    in float64. Two runs that differ only by floating-point reassociation (a spread replay)
+    end with norms that agree to many digits, where fingerprints differ entirely."""
+    local = sum(float(p.detach().double().pow(2).sum()) for chunk in model
+                for p in chunk.parameters())
+    total = torch.tensor([local], dtype=torch.float64)
+    torch.distributed.all_reduce(total, group=group)
+    return float(total.sqrt())

@@ -21,7 +21,7 @@ def transformer_engine_usable() -> bool:
     return True
 
 
-def transformer_config(cfg: TrainConfig, cpu_rehearsal: bool) -> Any:
+def transformer_config(cfg: TrainConfig, cpu_rehearsal: bool, initialize: bool = True) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -40,6 +40,8 @@ def transformer_config(cfg: TrainConfig, cpu_rehearsal: bool) -> Any:
         # Megatron's own switch for the CUDA synchronize after batched p2p (workaround
         # "batch-p2p-sync"); gloo's request waits already order the transfers.
         batch_p2p_sync=not cpu_rehearsal,
+        # A spare's parameters are overwritten by the restore: no throw-away random init.
+        perform_initialization=initialize,
     )
 
 
@@ -53,8 +55,12 @@ class TrainingObjects:
     config: Any  # TransformerConfig
 
 
-def build_training_objects(cfg: TrainConfig, cpu_rehearsal: bool) -> TrainingObjects:
-    """Model, DDP, optimizer and scheduler; process groups must already exist."""
+def build_training_objects(cfg: TrainConfig, cpu_rehearsal: bool,
+                           initialize: bool = True) -> TrainingObjects:
+    """Model, DDP, optimizer and scheduler; process groups must already exist.
+
+    initialize=False skips the parameters' random initialisation (a spare, whose parameters
+    are about to be overwritten by a restore)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -66,7 +72,7 @@ def build_training_objects(cfg: TrainConfig, cpu_rehearsal: bool) -> TrainingObj
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config = transformer_config(cfg, cpu_rehearsal)
+    config = transformer_config(cfg, cpu_rehearsal, initialize)
     if transformer_engine_usable():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
@@ -101,6 +107,7 @@ def build_training_objects(cfg: TrainConfig, cpu_rehearsal: bool) -> TrainingObj
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         ),
         model,
+        use_gloo_process_groups=False,
     )
     samples = cfg.train_iters * cfg.global_batch_size
     scheduler = OptimizerParamScheduler(
@@ -120,3 +127,20 @@ def build_training_objects(cfg: TrainConfig, cpu_rehearsal: bool) -> TrainingObj
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
     return TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
+
+
+# Attributes in which Megatron-Core caches the answer of a collective it runs once, at its
+# first use (optimizer.py `has_grad_norm_group`: an all-reduce at the first step).
+COLLECTIVE_CACHES = ("_has_grad_norm_group_cache",)
+
+
+def forget_collective_caches(objs: TrainingObjects) -> None:
+    """Drop those caches, so that every rank of a new generation (the spare, whose objects
+    never ran the collective, and the survivors, whose did) runs it again together."""
+    stack = [objs.optimizer]
+    while stack:
+        opt = stack.pop()
+        for name in COLLECTIVE_CACHES:
+            if name in vars(opt):
+                delattr(opt, name)
+        stack += list(getattr(opt, "chained_optimizers", []) or [])

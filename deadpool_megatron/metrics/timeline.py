@@ -30,6 +30,12 @@ class Timeline:
     rebuilt_ms: float  # groups of the new generation formed (rendezvous included)
     restored_ms: float  # state transferred and restored on every rank
     replayed_ms: float  # the iteration that failed completed again on every rank
+    # Micro-batches, summed over ranks: recomputed by this recovery; what a replay of whole
+    # iterations from the same snapshot, and a restart from the newest durable checkpoint,
+    # would have recomputed.
+    recomputed: int = 0
+    whole_iteration: int = 0
+    checkpoint_restart: int = 0
 
     PHASES = ("detected", "declared", "aborted", "left", "rebuilt", "restored", "replayed")
 
@@ -39,7 +45,9 @@ class Timeline:
     def describe(self) -> str:
         parts = ", ".join(f"{p} +{ms:.0f} ms" for p, ms in self.rows())
         return (f"recovery into generation {self.generation} (ranks {list(self.failed_ranks)}"
-                f" replaced): {parts}")
+                f" replaced): {parts}; micro-batches recomputed {self.recomputed} (whole-"
+                f"iteration replay: {self.whole_iteration}, checkpoint restart: "
+                f"{self.checkpoint_restart})")
 
 
 def timelines(events: list[dict]) -> list[Timeline]:
@@ -74,5 +82,8 @@ def timelines(events: list[dict]) -> list[Timeline]:
             rebuilt_ms=rebuilt,
             restored_ms=last("recovered", generation=gen),
             replayed_ms=last("step_completed", iteration=failed_iteration),
+            recomputed=sum(e.get("microbatches_recomputed", 0) for e in recovered),
+            whole_iteration=sum(e.get("whole_iteration_replay", 0) for e in recovered),
+            checkpoint_restart=sum(e.get("checkpoint_restart", 0) for e in recovered),
         ))
     return out

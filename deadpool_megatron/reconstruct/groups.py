@@ -1,4 +1,4 @@
-"""Process groups per generation: join under a fresh store prefix, abort, destroy.
+"""Process groups per generation: join under a fresh store prefix, cut, leave.
 
 Every generation's default group and Megatron-Core groups live under the store prefix
 `dp/gen{g}/pg/`, so nothing of a dead generation (keys, sockets, sequence numbers) can be
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,20 +23,14 @@ from deadpool_megatron.control.client import ControlClient
 log = logging.getLogger("deadpool_megatron.reconstruct")
 
 
-def live_groups() -> list[dist.ProcessGroup]:
-    """Every process group this process holds (default, Megatron's, snapshot's)."""
-    return list(c10d._world.pg_map.keys()) if dist.is_initialized() else []
-
-
 def leave_generation() -> None:
-    """Drop every group of this generation without waiting for anything.
+    """Forget every group of this generation without waiting for anything.
 
-    With gloo, no call frees a collective that another thread of this process is blocked
-    in (abort and shutdown only take effect once that work ends), so the training thread of
-    a broken generation is abandoned, not joined: it errors out on its own when its peers'
-    sockets close or its timeout passes. `_abort_process_group` on the default group
-    returns at once and forgets every group, so the next generation starts clean; with
-    NCCL it also aborts the communicators, which does free blocked kernels.
+    Called once the generation's training thread has stopped (its connections are cut
+    first, so nothing blocks on them). `_abort_process_group` on the default group returns
+    at once and forgets every group, so the next generation starts clean; with NCCL it also
+    aborts the communicators. The group objects stay alive in whatever holds them until the
+    rebind replaces them.
     """
     from megatron.core import parallel_state as ps
 
@@ -49,7 +44,7 @@ def leave_generation() -> None:
 
 
 def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: int,
-                    cfg: TrainConfig) -> bool:
+                    cfg: TrainConfig, laps: Callable[[str], None] = lambda name: None) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group.
 
     False if a newer generation was declared while waiting (a failure during recovery).
@@ -58,6 +53,7 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
 
     if not ctl.rendezvous(generation, world_size):
         return False
+    laps("rendezvous")
     if cfg.distributed_backend == "nccl":
         # A spare keeps the device it was started on (its launcher slot), whatever rank it
         # takes; an active worker's slot is its local rank.
@@ -67,38 +63,56 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     dist.init_process_group(backend=cfg.distributed_backend, store=store, rank=rank,
                             world_size=world_size,
                             timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
+    laps("default_group")
     init_megatron_groups(cfg)
+    laps("megatron_groups")
     return True
 
 
 def sever_connections(keep_ports: set[int]) -> int:
-    """Shut down every established TCP connection of this process except those to or from
-    `keep_ports` (the control-plane store); returns how many were cut.
+    """Shut down every TCP connection of this process except those to or from `keep_ports`
+    (the control-plane store), whatever its state; returns how many were cut.
 
     Called between generations, before any new group exists: what remains are the broken
-    generation's gloo pairs. A collective blocked on one of them (in the abandoned training
+    generation's gloo pairs. A collective blocked on one of them (in the stopping training
     thread, here or on a peer) then fails at once, as if the peer had died, instead of
-    waiting out its timeout and waking, minutes later, inside the new generation.
+    waiting out its timeout. Half-closed sockets (the peer cut first: CLOSE_WAIT) are cut
+    too: an operation posted on one later must fail, not wait. The sockets are found through
+    /proc/self/fd (psutil's connection table took 100-200 ms on a loaded host).
     """
     import socket
 
-    import psutil
-
     cut = 0
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.status != psutil.CONN_ESTABLISHED or conn.fd < 0 or not conn.raddr:
-            continue
-        if conn.laddr.port in keep_ports or conn.raddr.port in keep_ports:
-            continue
+    for fd in _socket_fds():
         try:
-            dup = socket.socket(fileno=os.dup(conn.fd))
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
         try:
-            dup.shutdown(socket.SHUT_RDWR)
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                      socket.AF_INET6):
+                continue
+            try:
+                local, peer = sock.getsockname()[1], sock.getpeername()[1]
+            except OSError:
+                continue  # listening, or not connected
+            if local in keep_ports or peer in keep_ports:
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
             cut += 1
         except OSError:
             pass
         finally:
-            dup.close()
+            sock.close()
     return cut
+
+
+def _socket_fds() -> list[int]:
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.append(int(name))
+        except OSError:
+            continue
+    return fds

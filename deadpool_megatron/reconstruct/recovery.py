@@ -1,93 +1,398 @@
-"""Bring every rank of a new generation to one common snapshot generation.
+"""One rank's way from a broken generation into the next, in the order it happens:
 
-Survivors restore their own host copy; each spare receives the shard of the rank it
-replaces from that rank's buddy. The generation is the newest one that every survivor holds
-complete (CRC-verified) and every needed buddy copy holds too, so a failure that struck
-during a commit still finds a consistent point.
+    leave   stop the training thread where its state stays clean, cut the broken
+            generation's connections, drop its groups, learn the new generation;
+    rejoin  meet the new generation's members and create its groups;
+    rebind  swap the new groups into the kept model, DDP, optimizer and Megatron's globals;
+    restore agree on a snapshot and on who recomputes what (replay/plan.py); the spare
+            receives its shard from its buddy; a survivor restores only what the failure
+            touched (usually nothing);
+    replay  hand the plan's micro-batches to the training loop.
+
+A spare enters at `rejoin`, with objects it built alone for the failed coordinates
+(spare.py). A failure during any step is one more declaration: the caller runs `recover`
+again, and the plan, made from what every rank then holds, still restores everyone.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-from typing import Any
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
-from deadpool_megatron.control.policy import RecoveryImpossible
-from deadpool_megatron.snapshot.buffers import Slot
-from deadpool_megatron.snapshot.engine import MB, SnapshotEngine
-from deadpool_megatron.snapshot.manifest import build_manifest
-from deadpool_megatron.snapshot.restore import restore_shard
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.faults.injector import FaultInjector
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.hooks import LoopState
+from deadpool_megatron.integration.model import forget_collective_caches
+from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.metrics.memory import PeakRss
+from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
+                                                  sever_connections)
+from deadpool_megatron.reconstruct.rebind import (GroupKey, group_mapping, group_registry,
+                                                  MegatronGlobals, rebind_groups,
+                                                  stale_references)
+from deadpool_megatron.replay.ledger import MicrobatchLedger
+from deadpool_megatron.replay.plan import (FRESH_START, SPARE_REPORT, MicrobatchWork,
+                                           RankReport, RecoveryPlan, plan_recovery)
+from deadpool_megatron.snapshot.engine import SnapshotEngine
+from deadpool_megatron.snapshot.restore import restore_shard, rewind_rng
 from deadpool_megatron.snapshot.transport import exchange
-from deadpool_megatron.integration.optimizer_state import materialize_optimizer_state
-from deadpool_megatron.topology import buddy_of, ward_of
-from deadpool_megatron.training.hooks import LoopState
+from deadpool_megatron.topology import ParallelSizes, buddy_of, coord_of, ward_of
 
-log = logging.getLogger("deadpool_megatron.reconstruct")
-
-
-def choose_generation(own: list[list[int]], ward: list[list[int]], replaced: set[int],
-                      buddy: list[int]) -> int | None:
-    """Pure: newest generation held by every survivor (own) and, for each replaced rank r,
-    by buddy[r] (ward copy). own[r]/ward[r] list the complete generations rank r holds."""
-    candidates: set[int] | None = None
-    for rank, gens in enumerate(own):
-        if rank in replaced:
-            continue
-        candidates = set(gens) if candidates is None else candidates & set(gens)
-    for rank in replaced:
-        held = set(ward[buddy[rank]]) if buddy[rank] not in replaced else set()
-        candidates = held if candidates is None else candidates & held
-    return max(candidates) if candidates else None
+log = logging.getLogger("deadpool_megatron.recovery")
+STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
 
 
-def recover_state(engine: SnapshotEngine, state: LoopState, replaced: set[int],
-                  generation: int, distributed_optimizer: bool) -> tuple[int, bool]:
-    """Collective over the new generation; returns the snapshot generation restored and
-    whether this rank's shard came from its buddy (a spare, including one that took its
-    rank in an earlier generation whose recovery was cut short)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rpn = engine.ft.ranks_per_node(world)
-    allow = engine.ft.deadpool_allow_same_node_buddy
-    buddies = [buddy_of(r, world, rpn, allow) for r in range(world)]
-    mine = (engine.own.available() if engine.own is not None and rank not in replaced else [],
-            engine.ward_buffer.available()
-            if engine.ward_buffer is not None and rank not in replaced else [])
-    held: list[Any] = [None] * world
-    dist.all_gather_object(held, mine, group=engine.group)
-    # Ranks holding no snapshot of their own (spares, or a spare whose recovery was cut
-    # short by another failure) need their shard from their buddy.
-    replaced = set(replaced) | {r for r, h in enumerate(held) if not h[0]}
-    target = choose_generation([h[0] for h in held], [h[1] for h in held], replaced, buddies)
-    if target is None:
-        raise RecoveryImpossible(
-            f"generation {generation}: no snapshot generation is held by every survivor and "
-            f"by the buddies of replaced ranks {sorted(replaced)} (held: "
-            f"{ {r: h for r, h in enumerate(held)} })")
-    objs = state.objects
-    materialize_optimizer_state(objs.optimizer)
-    incoming: Slot | None = None
-    if rank in replaced:
-        manifest = build_manifest(objs.model, objs.optimizer, distributed_optimizer)
-        incoming = Slot(torch.empty(manifest.nbytes, dtype=torch.uint8))
-    ward = ward_of(rank, world, rpn, allow)
-    outgoing = engine.ward_buffer.find(target) if ward in replaced else None
-    if ward in replaced and outgoing is None:
-        raise RecoveryImpossible(f"generation {generation}: rank {rank} lost its copy of "
-                                 f"rank {ward}'s snapshot {target}")
+class StoppableThread(Protocol):
+    """What `leave` needs of the broken generation's training thread (training/elastic.py)."""
+
+    def alive(self) -> bool: ...
+    def stop_now(self) -> None: ...
+    def stop_before_reduction(self) -> None: ...
+    def join(self, timeout_s: float) -> bool: ...
+    def where(self) -> str: ...
+
+
+class CannotContinue(RuntimeError):
+    """This rank cannot take part in the next generation (it was declared lost, or a thread
+    of the broken generation would not stop); it leaves so a spare replaces it."""
+
+
+@dataclass
+class Member:
+    """What one worker carries from generation to generation."""
+
+    cfg: TrainConfig
+    ft: DeadPoolConfig
+    ctl: ControlClient
+    rank: int
+    world: int
+    cpu_rehearsal: bool
+    events: EventLog
+    engine: SnapshotEngine
+    ledger: MicrobatchLedger
+    injector: FaultInjector
+    dataset: Any
+    generation: int = 0
+    bound: int = -1  # the generation whose groups the live objects hold
+    state: LoopState | None = None
+    state_valid: bool = False  # live objects hold a completed iteration (or a partial one
+    # the ledger describes); False for a spare before its restore, or mid-restore
+    registry: dict[GroupKey, Any] = field(default_factory=dict)  # groups the objects hold
+    retired_groups: list[Any] = field(default_factory=list)  # for --deadpool-audit-groups
+    identity: list[tuple[int, int]] = field(default_factory=list)  # params at first build
+    start_iteration: int | None = None  # where this job's training began (after --load)
+    megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes.from_world(self.world, self.cfg.tensor_model_parallel_size,
+                                        self.cfg.pipeline_model_parallel_size)
+
+    def replica_of(self, rank: int) -> int:
+        return coord_of(rank, self.sizes).dp
+
+    def buddies(self) -> list[int]:
+        rpn = self.ft.ranks_per_node(self.world)
+        return [buddy_of(r, self.world, rpn, self.ft.deadpool_allow_same_node_buddy)
+                for r in range(self.world)]
+
+    def remember_identity(self) -> None:
+        self.identity = _param_identity(self.state.objects)
+
+    def objects_kept(self) -> bool:
+        """The live parameters are the very tensors (same objects, same storage) built at
+        this rank's start: nothing was rebuilt or reallocated."""
+        return bool(self.identity) and self.identity == _param_identity(self.state.objects)
+
+    def report(self) -> RankReport:
+        if self.state is None:
+            return SPARE_REPORT
+        own, ward = self.engine.held()
+        if not self.state_valid:
+            return RankReport(tuple(own), tuple(ward), None, False, self.state.iteration)
+        state, ledger = self.state, self.ledger
+        live, reached = ledger.live_iteration(state), ledger.reached(state)
+        return RankReport(tuple(own), tuple(ward), live, ledger.grads_intact(state), reached,
+                          at_start=live == reached == self.start_iteration)
+
+
+def _param_identity(objs: Any) -> list[tuple[int, int]]:
+    return [(id(p), p.data_ptr()) for chunk in objs.model for p in chunk.parameters()]
+
+
+def build_fresh(member: Member) -> None:
+    """Every rank builds its objects together, as at the job's start (seeded random
+    initialisation, or the --load checkpoint): the start of generation 0, and a recovery
+    before any snapshot existed anywhere (nothing was trained: the start is reproduced)."""
+    from deadpool_megatron.integration.checkpoint import Checkpointer
+    from deadpool_megatron.integration.distributed import set_seeds
+    from deadpool_megatron.integration.model import build_training_objects
+
+    member.state = None
+    gc.collect()  # a survivor's old objects go before the new ones are built
+    set_seeds(member.cfg.seed)
+    member.state = LoopState(iteration=0, consumed_samples=0,
+                             objects=build_training_objects(member.cfg, member.cpu_rehearsal))
+    if member.cfg.load:
+        Checkpointer(member.cfg).load(member.state)
+    member.start_iteration = member.state.iteration
+    member.engine.attach(member.state.objects)
+    member.state_valid = True
+    member.bound = member.generation
+    member.registry = group_registry()
+    member.remember_identity()
+    member.megatron_globals.prepare()
+
+
+# -- leave --------------------------------------------------------------------------------
+def leave(member: Member, training: StoppableThread | None) -> int:
+    """Stop the broken generation here; returns the generation to join next."""
+    ctl = member.ctl
+    laps = _Laps()
+    generation = ctl.wait_generation_after(member.generation)
+    if ctl.members(generation).get(member.rank) != ctl.worker:
+        raise CannotContinue(f"rank {member.rank} was declared lost in generation {generation}")
+    replaced = {r for g in range(member.generation + 1, generation + 1) for r in ctl.replaced(g)}
+    lost_replica = member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
+    if member.bound == member.generation:  # groups created since the rebind are named too
+        member.registry = group_registry()
+    member.retired_groups += list(member.registry.values())
+    laps("declared")
+    stopped, severed = _stop_training(member, training, lost_replica)
+    laps("stopped")
+    pipe = member.engine.leave()
+    severed += sever_connections({ctl.port})
+    laps("severed")
+    worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
+    if not stopped or not worker_stopped:
+        where = training.where() if training is not None and not stopped else "snapshot worker"
+        raise CannotContinue(f"rank {member.rank}: a thread of generation {member.generation} "
+                             f"did not stop within {STOP_TIMEOUT_S:.0f} s of its connections "
+                             f"being cut, at:\n{where}")
+    laps("worker")
+    leave_generation()
+    laps("dropped")
+    member.events.emit("abort", generation=member.generation, severed=severed,
+                       thread_stopped=stopped, lost_replica=lost_replica, laps_ms=laps.ms)
+    member.events.emit("left_generation", generation=member.generation, next=generation)
+    return generation
+
+
+class _Laps:
+    """Milliseconds between named points (for the recovery events)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.ms[name] = round(1e3 * (now - self._last), 1)
+        self._last = now
+
+
+def _stop_training(member: Member, training: StoppableThread | None,
+                   lost_replica: bool) -> tuple[bool, int]:
+    """A rank of a replica that lost a rank stops at once (its micro-batches are recomputed
+    anyway) and cuts its connections, which frees whoever waits on it. A rank of an intact
+    replica lets its thread finish the iteration's micro-batches, which need no lost rank,
+    and stop before the gradient reduction: its gradients are then kept, not recomputed.
+    It cuts once its thread has stopped, or is waiting at the reduction barrier."""
+    if training is None or not training.alive():
+        return True, 0
+    severed = 0
+    if lost_replica:
+        training.stop_now()
+        severed = sever_connections({member.ctl.port})
+    else:
+        training.stop_before_reduction()
+        grace = time.monotonic() + max(5.0, 3 * member.ledger.longest_iteration_s)
+        while training.alive() and time.monotonic() < grace:
+            entry = member.ledger.entry
+            if entry is not None and entry.accumulated:
+                break  # at the barrier: waiting on replicas that will never come
+            training.join(0.002)
+        if training.alive():
+            severed = sever_connections({member.ctl.port})
+    return training.join(STOP_TIMEOUT_S), severed
+
+
+# -- rejoin, rebind -------------------------------------------------------------------------
+def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool:
+    """Meet generation `generation`'s members and create its groups (the snapshot group
+    too); False if a newer generation was declared meanwhile."""
+    laps = laps or _Laps()
+    if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
+                           laps):
+        return False
+    member.engine.connect()
+    laps("snapshot_group")
+    member.generation = generation
+    return True
+
+
+def rebind(member: Member) -> int:
+    """Swap the new generation's groups into every kept object; returns the references
+    replaced."""
+    new = group_registry()
+    mapping = group_mapping(member.registry, new)
+    replaced = rebind_groups([member.state.objects, member.megatron_globals], mapping)
+    member.registry, member.bound = new, member.generation
+    if member.ft.deadpool_audit_groups:
+        roots = [member.state.objects, member.engine]
+        stale = stale_references(roots, member.retired_groups)
+        log.info("group audit on rank %d: %d group references reachable from the kept "
+                 "objects, %d of them from an old generation", member.rank,
+                 sum(1 for _ in _reachable(roots)), stale)
+        if stale:
+            raise RuntimeError(f"{stale} references to old-generation groups still held")
+    return replaced
+
+
+def _reachable(roots: list[Any]) -> list[Any]:
+    from deadpool_megatron.reconstruct.rebind import reachable_groups
+
+    return reachable_groups(roots)
+
+
+# -- restore --------------------------------------------------------------------------------
+def restore(member: Member) -> RecoveryPlan:
+    """Collective over the new generation: agree on the plan, move the shards the spares
+    need, and bring every rank to the target snapshot."""
+    gathered: list[Any] = [None] * member.world
+    shard_bytes = member.engine.manifest.nbytes if member.engine.manifest else 0
+    dist.all_gather_object(gathered, (member.report(), shard_bytes))
+    reports = [g[0] for g in gathered]
+    replaced = set(member.ctl.replaced(member.generation))
+    num_mb = member.cfg.num_microbatches(member.world)
+    plan = plan_recovery(reports, replaced, member.buddies(),
+                         [member.replica_of(r) for r in range(member.world)], num_mb,
+                         member.ft.deadpool_replay)
+    if plan.target == FRESH_START:
+        build_fresh(member)
+        return plan
+    _move_shards(member, plan, [g[1] for g in gathered])
+    _apply(member, plan)
+    return plan
+
+
+def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> None:
+    """Round 1: each buddy streams its copy of the target to the rank that needs it.
+    Round 2: each such rank gets a copy of its ward's shard back, so the ring is whole
+    again before the next snapshot commits."""
+    engine, rank, t = member.engine, member.rank, plan.target
+    rpn = member.ft.ranks_per_node(member.world)
+    allow = member.ft.deadpool_allow_same_node_buddy
+    buddy = buddy_of(rank, member.world, rpn, allow)
+    ward = ward_of(rank, member.world, rpn, allow)
+    need = plan.restore[rank] == "buddy"
+    outgoing = engine.ward_buffer.find(t) if plan.restore[ward] == "buddy" else None
+    if plan.restore[ward] == "buddy" and outgoing is None:
+        raise RuntimeError(f"rank {rank} lost its copy of rank {ward}'s snapshot {t}")
+    incoming = engine.own.begin_write() if need else None
     if incoming is not None or outgoing is not None:
-        exchange(engine.group, outgoing, ward, incoming, buddies[rank],
-                 chunk_bytes=max(1, int(engine.ft.deadpool_snapshot_chunk_mb * MB)))
-    slot = incoming if incoming is not None else engine.own.find(target)
-    if slot is None or slot.generation != target:
-        raise RecoveryImpossible(f"generation {generation}: rank {rank} has no complete "
-                                 f"snapshot {target}")
-    objects = restore_shard(objs, slot, distributed_optimizer)
-    for buffer in (engine.own, engine.ward_buffer):
-        if buffer is not None:
-            buffer.renew_uncommitted()
-    state.iteration = objects["iteration"]
-    state.consumed_samples = objects["consumed_samples"]
-    engine.attach(state)
-    return target, incoming is not None
+        exchange(engine.group, outgoing, ward, incoming, buddy, chunk_bytes=engine.chunk_bytes)
+    refill_out = engine.own.find(t) if plan.refill_ward[buddy] else None
+    refill_in = None
+    if plan.refill_ward[rank]:
+        engine.ensure_ward_buffer(shard_bytes[ward])
+        refill_in = engine.ward_buffer.begin_write()
+    if refill_in is not None or refill_out is not None:
+        exchange(engine.group, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes)
+
+
+def _apply(member: Member, plan: RecoveryPlan) -> None:
+    engine, state, rank, t = member.engine, member.state, member.rank, plan.target
+    how = plan.restore[rank]
+    member.state_valid = False
+    if how in ("own", "buddy"):
+        slot = engine.own.find(t)
+        if slot is None:
+            raise RuntimeError(f"rank {rank} has no complete snapshot {t} to restore")
+        objects = restore_shard(state.objects, slot, member.cfg.use_distributed_optimizer)
+        state.iteration, state.consumed_samples = objects["iteration"], objects["consumed_samples"]
+        state.microbatch_losses.clear()
+    elif plan.rewinds_rng(rank):
+        slot = engine.own.find(t)
+        rewind_rng(slot.objects if slot is not None else engine.captured[t])
+    engine.commit_recovered(t)
+    forget_collective_caches(state.objects)
+    member.state_valid = True
+
+
+# -- the whole way ----------------------------------------------------------------------
+def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = None,
+          phases_ms: dict[str, float] | None = None) -> dict[int, MicrobatchWork]:
+    """rejoin, rebind, restore; returns this rank's replay work."""
+    lap = _Laps()
+    lap.ms.update(phases_ms or {})
+
+    while not rejoin(member, generation, lap):
+        generation = member.ctl.wait_generation_after(generation)
+    t_groups = time.perf_counter()
+    member.injector.fire("recovery", generation)
+    references = rebind(member)
+    lap("rebind")
+    plan = restore(member)
+    lap("restore")
+    _release_in_background(member)
+    memory = peak.stop() if peak is not None else {}
+    rank = member.rank
+    member.events.emit(
+        "recovered", generation=generation, restored=plan.target, how=plan.restore[rank],
+        from_buddy=plan.restore[rank] == "buddy", groups_s=t_groups - t0,
+        total_s=time.perf_counter() - t0, references_rebound=references,
+        last_iteration=plan.last_iteration, microbatches_recomputed=plan.recomputed(rank),
+        whole_iteration_replay=plan.whole_iteration_replay(),
+        checkpoint_restart=plan.num_microbatches * max(
+            0, plan.last_iteration - _durable_iteration(member.cfg)),
+        kept_grads=bool(plan.work[rank].get(plan.target + 1) is not None
+                        and plan.work[rank][plan.target + 1].keep_grads),
+        kept_objects=member.objects_kept(), phases_ms=lap.ms, **memory)
+    if rank == 0:
+        kept = sum(1 for r in range(member.world) if plan.restore[r] == "none")
+        log.info("recovery: generation %d formed (groups in %.0f ms); snapshot %d; %d ranks "
+                 "kept their live state, %d restored their own copy, %d from a buddy; "
+                 "replaying iterations %d..%d (%d micro-batches here)", generation,
+                 1e3 * (t_groups - t0), plan.target, kept,
+                 plan.restore.count("own"), plan.restore.count("buddy"), plan.target + 1,
+                 plan.last_iteration, plan.recomputed(rank))
+    return plan.work[rank]
+
+
+def _release_in_background(member: Member) -> None:
+    """Let the old generation's groups go in a thread of their own: their destructors join
+    backend threads (about 100 ms here), which the recovery need not wait for."""
+    retired, member.retired_groups = member.retired_groups, []
+    threading.Thread(target=retired.clear, name="deadpool-release", daemon=True).start()
+
+
+def _durable_iteration(cfg: TrainConfig) -> int:
+    """The iteration a whole-job restart from the newest durable checkpoint would redo from."""
+    from deadpool_megatron.integration.checkpoint import latest_iteration
+
+    for root in (cfg.save, cfg.load):
+        if root:
+            found = latest_iteration(root)
+            if found is not None:
+                return found
+    return 0
+
+
+def recover(member: Member, training: StoppableThread | None) -> dict[int, MicrobatchWork]:
+    """From a broken generation to the next one's replay."""
+    t0 = time.perf_counter()
+    peak = PeakRss()
+    peak.start()
+    generation = leave(member, training)
+    return enter(member, generation, t0, peak,
+                 {"leave": round(1e3 * (time.perf_counter() - t0), 1)})
+

@@ -1,7 +1,8 @@
 """Double-buffered ("ping-pong") host snapshots with an explicit committed slot.
 
-A write always goes to the slot that does not hold the committed generation, so the
-committed copy stays intact however many later generations are torn or corrupted.
+A write always goes to the slot that does not hold the committed snapshot, so the committed
+copy stays intact however many later snapshots are torn or corrupted. A snapshot is named by
+the iteration whose end state it holds.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ def checksum(flat: torch.Tensor, objects: bytes) -> int:
 @dataclass
 class Slot:
     flat: torch.Tensor  # uint8, host memory (pinned on GPU machines)
-    generation: int = -1  # iteration boundary it holds; -1: nothing valid
+    iteration: int = -1  # the iteration whose end state it holds; -1: nothing valid
     objects: bytes = b""
     crc: int = 0
 
     def verify(self) -> bool:
-        return self.generation >= 0 and checksum(self.flat, self.objects) == self.crc
+        return self.iteration >= 0 and checksum(self.flat, self.objects) == self.crc
 
 
 @dataclass
 class DoubleBuffer:
-    """Two slots; `committed` indexes the slot of the latest committed generation."""
+    """Two slots; `committed` indexes the slot of the latest committed snapshot."""
 
     slots: list[Slot]
     committed: int | None = None
@@ -53,36 +54,37 @@ class DoubleBuffer:
         index = 0 if self.committed is None else 1 - self.committed
         self._writing = index
         slot = self.slots[index]
-        slot.generation = -1
+        slot.iteration = -1
         return slot
 
-    def commit(self, generation: int) -> None:
-        """Mark the slot written last, holding `generation`, as the committed one."""
+    def commit(self, iteration: int) -> None:
+        """Mark the slot written last, holding `iteration`, as the committed one."""
         assert self._writing is not None, "commit without a write"
         slot = self.slots[self._writing]
-        if slot.generation != generation:
-            raise ValueError(f"slot holds generation {slot.generation}, not {generation}")
+        if slot.iteration != iteration:
+            raise ValueError(f"slot holds iteration {slot.iteration}, not {iteration}")
         self.committed = self._writing
         self._writing = None
 
-    def find(self, generation: int) -> Slot | None:
-        """A slot holding `generation` whose CRC verifies (committed or not)."""
+    def commit_held(self, iteration: int) -> bool:
+        """Make the slot holding `iteration` (verified) the committed one: a recovery agreed
+        on it, so no later write may overwrite it. False if no slot holds it."""
+        for i, slot in enumerate(self.slots):
+            if slot.iteration == iteration and slot.verify():
+                self.committed, self._writing = i, None
+                return True
+        return False
+
+    def find(self, iteration: int) -> Slot | None:
+        """A slot holding `iteration` whose CRC verifies (committed or not)."""
         for slot in self.slots:
-            if slot.generation == generation and slot.verify():
+            if slot.iteration == iteration and slot.verify():
                 return slot
         return None
 
     def available(self) -> list[int]:
-        """Generations held completely (CRC verified), newest first."""
-        return sorted((s.generation for s in self.slots if s.verify()), reverse=True)
-
-    def renew_uncommitted(self) -> None:
-        """Replace every slot but the committed one by a fresh one, so that a worker thread
-        abandoned with a broken generation can never write into a slot in use again."""
-        for i, slot in enumerate(self.slots):
-            if i != self.committed:
-                self.slots[i] = Slot(torch.empty_like(slot.flat))
-        self._writing = None
+        """Iterations held completely (CRC verified), newest first."""
+        return sorted((s.iteration for s in self.slots if s.verify()), reverse=True)
 
     def committed_slot(self) -> Slot | None:
         return None if self.committed is None else self.slots[self.committed]

@@ -1,13 +1,18 @@
 """The snapshot engine: per-iteration host copies, buddy replication and commits.
 
-Timeline for generation k (the state after iteration k's optimizer step):
+Snapshot k is the state after iteration k's optimizer step. Its timeline:
   main thread, after_iteration(k): capture the small objects, hand k to the worker;
   worker: copy the shard into a host slot (overlaps iteration k+1's forward/backward);
   main thread, before_optimizer_step(k+1): wait for that local copy only;
   worker: CRC, send to the buddy while receiving the ward's copy, verify, then an
   all-reduce(MIN) over the snapshot group commits k everywhere or nowhere.
-The worker handles one generation at a time; the next local copy starts when the previous
-generation is committed or abandoned, so a slot being sent is never overwritten.
+The worker handles one snapshot at a time; the next local copy starts when the previous one
+is committed or abandoned, so a slot being sent is never overwritten. The state the job
+starts from (iteration 0, or the checkpoint it loaded) is snapshotted and committed before
+the first iteration, so a failure in iteration 1 finds it.
+
+Host buffers live as long as the process: they are what a recovery restores from. Each
+membership generation has its own snapshot process group and worker (`connect`, `leave`).
 """
 
 from __future__ import annotations
@@ -26,16 +31,18 @@ import torch.distributed as dist
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum
 from deadpool_megatron.snapshot.manifest import Manifest, build_manifest, copy_into
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import TornTransfer, exchange
 from deadpool_megatron.topology import buddy_of, ward_of
-from deadpool_megatron.training.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
+SNAPSHOT_GROUP = "DEADPOOL_SNAPSHOT_GROUP"
 
 
 class SnapshotError(RuntimeError):
@@ -44,7 +51,7 @@ class SnapshotError(RuntimeError):
 
 @dataclass
 class _Job:
-    generation: int
+    iteration: int
     objects: bytes
     ready: Any = None  # CUDA event recorded after the optimizer step (GPU only)
     copied: threading.Event = field(default_factory=threading.Event)
@@ -52,8 +59,8 @@ class _Job:
 
 @dataclass
 class _Pipeline:
-    """One generation's worker and its group. A broken generation's worker may stay blocked
-    in gloo long after recovery; it only ever touches this object and its own slots."""
+    """One generation's worker and its group. After a failure the worker is stopped (its
+    group's connections are cut) before the next generation reuses the host buffers."""
 
     group: Any
     queue: "queue.Queue[_Job | None]" = field(default_factory=queue.Queue)
@@ -71,7 +78,7 @@ class _Pipeline:
 class SnapshotStats:
     """Cost accounting, all per rank."""
 
-    generations: int = 0
+    snapshots: int = 0
     committed: int = 0
     bytes_copied: int = 0
     bytes_sent: int = 0
@@ -86,64 +93,99 @@ class SnapshotEngine(TrainingHooks):
         self.cfg, self.ft = cfg, ft
         self.injector, self.events = injector, events
         self.stats = SnapshotStats()
-        self.committed_generation: int | None = None
+        self.committed_iteration: int | None = None
         self.pipe: _Pipeline | None = None
         self._cuda = torch.cuda.is_available()
         self._side_stream: Any = None
         self.own: DoubleBuffer | None = None
         self.ward_buffer: DoubleBuffer | None = None
+        self.manifest: Manifest | None = None
+        self.objects: Any = None  # the training objects the manifest describes
+        # The small objects of the last snapshots, captured at once in after_iteration: a
+        # survivor whose live state is that iteration rewinds its RNG from them even if its
+        # tensor copy had not finished.
+        self.captured: dict[int, bytes] = {}
         self.timeout = timedelta(seconds=ft.deadpool_snapshot_timeout)
 
-    # -- set-up -------------------------------------------------------------------------
-    def on_train_start(self, state: LoopState) -> None:
-        if self.pipe is None:
-            self.open_generation()
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.ft.deadpool_snapshot_chunk_mb * MB))
 
-    def open_generation(self) -> None:
-        """(Re)connect to the current process groups; host buffers are kept across
-        generations, they are what recovery restores from. Collective."""
-        self.abandon()
+    # -- membership ------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Join the current generation: its buddy ring and a snapshot group of its own
+        (snapshot traffic never queues behind, or blocks, training's). Collective."""
         self.rank, world = dist.get_rank(), dist.get_world_size()
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
-        # A group of its own: snapshot traffic never queues behind (or blocks) training's.
-        self.pipe = _Pipeline(group=dist.new_group(backend="gloo", timeout=self.timeout))
+        self.pipe = _Pipeline(group=dist.new_group(backend="gloo", timeout=self.timeout,
+                                                   group_desc=SNAPSHOT_GROUP))
 
     @property
     def group(self) -> Any:
         assert self.pipe is not None, "no snapshot generation is open"
         return self.pipe.group
 
-    def abandon(self) -> None:
-        """Forget the current generation's worker without waiting for it (see _Pipeline),
-        and wake a training thread waiting on it: its wait then raises."""
+    def leave(self) -> _Pipeline | None:
+        """Abandon the current generation's pipeline and wake a training thread waiting on
+        it (its wait then raises). Returns it, for `stop_worker` once connections are cut."""
         pipe, self.pipe = self.pipe, None
         if pipe is None:
-            return
+            return None
         pipe.abandoned = True
         if pipe.thread is not None:
             pipe.queue.put(None)
         pipe.idle.set()
         if pipe.job is not None:
             pipe.job.copied.set()
+        return pipe
 
-    def _start(self, state: LoopState) -> None:
-        """At the first snapshot: torch's Adam creates its state at the first step, so the
-        shard's layout is known only once an optimizer step has run."""
-        world = dist.get_world_size()
-        self.attach(state)
-        sizes: list[Any] = [None] * world
+    @staticmethod
+    def stop_worker(pipe: _Pipeline | None, timeout_s: float) -> bool:
+        """Wait for an abandoned pipeline's worker to end; True if it did (a worker that
+        does not could still write into the host buffers)."""
+        if pipe is None or pipe.thread is None:
+            return True
+        pipe.thread.join(timeout_s)
+        return not pipe.thread.is_alive()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def attach(self, objs: Any) -> None:
+        """(Re)build the manifest over the live objects and own buffers to match it. The
+        optimizer state is allocated first, so the layout is final from iteration 0."""
+        allocate_optimizer_state(objs.optimizer)
+        self.objects = objs
+        self.manifest = build_manifest(objs.model, objs.optimizer,
+                                       self.cfg.use_distributed_optimizer)
+        if self.own is None or self.own.slots[0].flat.numel() != self.manifest.nbytes:
+            self.own = DoubleBuffer.allocate(self.manifest.nbytes, pin=self._cuda)
+
+    def ensure_ward_buffer(self, nbytes: int) -> None:
+        if self.ward_buffer is None or self.ward_buffer.slots[0].flat.numel() != nbytes:
+            self.ward_buffer = DoubleBuffer.allocate(nbytes, pin=self._cuda)
+
+    def on_train_start(self, state: LoopState) -> None:
+        if self.pipe is None:
+            self.connect()
+        if self.manifest is None or self.objects is not state.objects:
+            self.attach(state.objects)
+        if self.committed_iteration != state.iteration:
+            self.after_iteration(state, force=True)
+            self.drain()
+
+    def _start(self) -> None:
+        """The first snapshot of a generation: size the ward buffer, start the worker."""
+        sizes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, self.manifest.nbytes, group=self.group)
-        if self.ward_buffer is None or self.ward_buffer.slots[0].flat.numel() != sizes[self.ward]:
-            self.ward_buffer = DoubleBuffer.allocate(sizes[self.ward], pin=self._cuda)
+        self.ensure_ward_buffer(sizes[self.ward])
         if self._cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),
                                             name="deadpool-snapshot", daemon=True)
         self.pipe.thread.start()
-        if self.rank == 0 or self.rank == world - 1:
+        if self.stats.snapshots == 0 and self.rank in (0, dist.get_world_size() - 1):
             log.info(
                 "deadpool snapshots: every %d iteration(s); rank %d -> buddy %d; %.2f MB per "
                 "snapshot (%.2f MB of it replicated on data-parallel peers); host memory held "
@@ -151,38 +193,29 @@ class SnapshotEngine(TrainingHooks):
                 self.ft.deadpool_snapshot_interval, self.rank, self.buddy,
                 self.manifest.nbytes / MB, self.manifest.dp_replicated_bytes / MB,
                 self.host_bytes / MB, self.manifest.nbytes / MB, sizes[self.ward] / MB)
-        self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
-                         shard_bytes=self.manifest.nbytes, ward_bytes=sizes[self.ward],
-                         dp_replicated_bytes=self.manifest.dp_replicated_bytes,
-                         host_bytes=self.host_bytes)
-
-    def attach(self, state: LoopState) -> None:
-        """(Re)build the manifest over the live objects and own buffers to match it."""
-        objs = state.objects
-        self.objects = objs
-        self.manifest: Manifest = build_manifest(objs.model, objs.optimizer,
-                                                 self.cfg.use_distributed_optimizer)
-        if self.own is None or self.own.slots[0].flat.numel() != self.manifest.nbytes:
-            self.own = DoubleBuffer.allocate(self.manifest.nbytes, pin=self._cuda)
+            self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
+                             shard_bytes=self.manifest.nbytes, ward_bytes=sizes[self.ward],
+                             dp_replicated_bytes=self.manifest.dp_replicated_bytes,
+                             host_bytes=self.host_bytes)
 
     @property
     def host_bytes(self) -> int:
         return self.own.nbytes + self.ward_buffer.nbytes
 
-    # -- hooks (main thread) -----------------------------------------------------------
-    def after_iteration(self, state: LoopState) -> None:
+    # -- hooks (training thread) -----------------------------------------------------------
+    def after_iteration(self, state: LoopState, force: bool = False) -> None:
         self._raise_if_failed()
-        if state.iteration % self.ft.deadpool_snapshot_interval != 0:
+        if not force and state.iteration % self.ft.deadpool_snapshot_interval != 0:
             return
-        if self.pipe is None:
-            self.open_generation()
         pipe = self.pipe
         if pipe.thread is None:
-            self._start(state)
+            self._start()
         self._wait(pipe, pipe.idle, "the previous snapshot to commit")
-        job = _Job(generation=state.iteration,
-                   objects=capture_objects(self.manifest, state.objects, state.iteration,
-                                           state.consumed_samples))
+        objects = capture_objects(self.manifest, state.objects, state.iteration,
+                                  state.consumed_samples)
+        self.captured = {state.iteration: objects,
+                         **{k: v for k, v in self.captured.items() if k > state.iteration - 2}}
+        job = _Job(iteration=state.iteration, objects=objects)
         if self._cuda:
             job.ready = torch.cuda.Event()
             job.ready.record(torch.cuda.current_stream())
@@ -193,8 +226,7 @@ class SnapshotEngine(TrainingHooks):
     def before_optimizer_step(self, state: LoopState) -> None:
         pipe = self.pipe
         if pipe is not None and pipe.job is not None:
-            self._wait(pipe, pipe.job.copied, f"the local copy of generation "
-                                              f"{pipe.job.generation}")
+            self._wait(pipe, pipe.job.copied, f"the local copy of snapshot {pipe.job.iteration}")
         self._raise_if_failed()
 
     def on_train_end(self, state: LoopState) -> None:
@@ -207,14 +239,14 @@ class SnapshotEngine(TrainingHooks):
             log.info("deadpool snapshots: %d taken, %d committed (latest: %s); per snapshot "
                      "%.2f MB copied in %.1f ms, %.2f MB sent in %.1f ms (background); "
                      "training thread waited %.1f ms in all",
-                     s.generations, s.committed, self.committed_generation,
-                     s.bytes_copied / max(s.generations, 1) / MB,
-                     1e3 * s.copy_s / max(s.generations, 1),
-                     s.bytes_sent / max(s.generations, 1) / MB,
-                     1e3 * s.transfer_s / max(s.generations, 1), 1e3 * s.main_wait_s)
+                     s.snapshots, s.committed, self.committed_iteration,
+                     s.bytes_copied / max(s.snapshots, 1) / MB,
+                     1e3 * s.copy_s / max(s.snapshots, 1),
+                     s.bytes_sent / max(s.snapshots, 1) / MB,
+                     1e3 * s.transfer_s / max(s.snapshots, 1), 1e3 * s.main_wait_s)
 
     def drain(self) -> None:
-        """Wait until the in-flight generation is committed or abandoned."""
+        """Wait until the snapshot in flight is committed or abandoned."""
         if self.pipe is not None:
             self._wait(self.pipe, self.pipe.idle, "the last snapshot to commit")
         self._raise_if_failed()
@@ -226,9 +258,19 @@ class SnapshotEngine(TrainingHooks):
             pipe.queue.put(None)
             pipe.thread.join(timeout=self.timeout.total_seconds())
 
-    def committed_slots(self) -> tuple[Slot | None, Slot | None]:
-        """(own, ward) slots of the latest committed generation."""
-        return self.own.committed_slot(), self.ward_buffer.committed_slot()
+    # -- what a recovery reads -------------------------------------------------------------
+    def held(self) -> tuple[list[int], list[int]]:
+        """(own, ward): the snapshot iterations held complete (CRC verified), newest first."""
+        own = self.own.available() if self.own is not None else []
+        ward = self.ward_buffer.available() if self.ward_buffer is not None else []
+        return own, ward
+
+    def commit_recovered(self, iteration: int) -> None:
+        """A recovery agreed on `iteration`: protect it from the next writes."""
+        for buffer in (self.own, self.ward_buffer):
+            if buffer is not None:
+                buffer.commit_held(iteration)
+        self.committed_iteration = iteration
 
     def fetch_own_from_buddy(self) -> Slot:
         """Every rank at once: send the ward its committed copy back, get ours from the buddy.
@@ -241,7 +283,7 @@ class SnapshotEngine(TrainingHooks):
             raise SnapshotError(f"rank {self.rank}: no committed snapshot yet")
         incoming = Slot(torch.empty(self.manifest.nbytes, dtype=torch.uint8))
         exchange(self.group, ward_copy, self.ward, incoming, self.buddy,
-                 chunk_bytes=max(1, int(self.ft.deadpool_snapshot_chunk_mb * MB)))
+                 chunk_bytes=self.chunk_bytes)
         return incoming
 
     # -- worker thread ---------------------------------------------------------------------
@@ -255,11 +297,11 @@ class SnapshotEngine(TrainingHooks):
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
                 pipe.failure = err
                 job.copied.set()
-                if self.pipe is pipe:
-                    self.events.emit("snapshot_failed", generation=job.generation,
+                if not pipe.abandoned:
+                    self.events.emit("snapshot_failed", iteration=job.iteration,
                                      error=str(err)[:300])
-                    log.error("rank %d: snapshot of generation %d failed: %s", self.rank,
-                              job.generation, str(err)[:200])
+                    log.error("rank %d: snapshot %d failed: %s", self.rank, job.iteration,
+                              str(err)[:200])
                 pipe.idle.set()
                 return
             pipe.idle.set()
@@ -280,55 +322,54 @@ class SnapshotEngine(TrainingHooks):
         own = self.own.begin_write()
         self._copy(job, own)
         job.copied.set()
-        own.objects, own.generation = job.objects, job.generation
+        own.objects, own.iteration = job.objects, job.iteration
         own.crc = checksum(own.flat, own.objects)
-        self.stats.generations += 1
+        self.stats.snapshots += 1
         incoming = self.ward_buffer.begin_write()
-        fault = self.injector.pending("snapshot", job.generation)
+        fault = self.injector.pending("snapshot", job.iteration)
         corrupt = fault is not None and fault.action == "corrupt"
         if corrupt:
-            self.injector.fire("snapshot", job.generation)
+            self.injector.fire("snapshot", job.iteration)
             own.flat[0] ^= 0xFF  # on the wire only: undone below, own CRC stays right
         t0 = time.perf_counter()
         ok = True
         try:
-            exchange(group, own, self.buddy, incoming, self.ward,
-                     chunk_bytes=max(1, int(self.ft.deadpool_snapshot_chunk_mb * MB)),
-                     after_first_chunk=lambda: self.injector.fire("snapshot", job.generation))
+            exchange(group, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
+                     after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
         except TornTransfer as err:
             ok = False
-            self._report_torn(job.generation, err)
+            self._report_torn(job.iteration, err)
         finally:
             if corrupt:
                 own.flat[0] ^= 0xFF
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() + len(own.objects)
-        verdict = torch.tensor([job.generation if ok else -1], dtype=torch.int64)
+        verdict = torch.tensor([job.iteration if ok else -1], dtype=torch.int64)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
-        if int(verdict) == job.generation:
-            self.own.commit(job.generation)
-            self.ward_buffer.commit(job.generation)
-            self.committed_generation = job.generation
+        if int(verdict) == job.iteration:
+            self.own.commit(job.iteration)
+            self.ward_buffer.commit(job.iteration)
+            self.committed_iteration = job.iteration
             self.stats.committed += 1
-            self.events.emit("snapshot_committed", generation=job.generation,
+            self.events.emit("snapshot_committed", iteration=job.iteration,
                              bytes=own.flat.numel(), crc=own.crc, ward_crc=incoming.crc)
         else:
-            self.events.emit("snapshot_not_committed", generation=job.generation,
-                             committed=self.committed_generation)
-            log.warning("rank %d: generation %d not committed (a copy failed to verify); "
-                        "generation %s stays committed", self.rank, job.generation,
-                        self.committed_generation)
+            self.events.emit("snapshot_not_committed", iteration=job.iteration,
+                             committed=self.committed_iteration)
+            log.warning("rank %d: snapshot %d not committed (a copy failed to verify); "
+                        "snapshot %s stays committed", self.rank, job.iteration,
+                        self.committed_iteration)
 
-    def _report_torn(self, generation: int, err: Exception) -> None:
+    def _report_torn(self, iteration: int, err: Exception) -> None:
         prior = self.ward_buffer.committed_slot()
         intact = prior is not None and prior.verify()
-        self.events.emit("snapshot_torn", generation=generation, ward=self.ward,
-                         error=str(err), committed=self.committed_generation,
+        self.events.emit("snapshot_torn", iteration=iteration, ward=self.ward,
+                         error=str(err), committed=self.committed_iteration,
                          committed_intact=intact, committed_crc=prior.crc if prior else None)
         log.warning(
-            "rank %d: copy of generation %d from ward %d is torn (%s); ward's committed "
-            "generation %s is %s (crc %s)", self.rank, generation, self.ward, err,
-            self.committed_generation, "intact" if intact else "NOT intact",
+            "rank %d: copy of snapshot %d from ward %d is torn (%s); ward's committed "
+            "snapshot %s is %s (crc %s)", self.rank, iteration, self.ward, err,
+            self.committed_iteration, "intact" if intact else "NOT intact",
             f"{prior.crc:08x}" if prior else None)
 
     # -- helpers ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from deadpool_megatron.integration.model import TrainingObjects
 from deadpool_megatron.snapshot.engine import SnapshotEngine
 from deadpool_megatron.snapshot.restore import restore_shard
-from deadpool_megatron.training.hooks import LoopState, TrainingHooks
+from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 
@@ -38,13 +38,13 @@ class RestoreRehearsal(TrainingHooks):
         fresh = self.build()
         objects = restore_shard(fresh, slot, self.distributed_optimizer)
         if objects["iteration"] != state.iteration:
-            raise RuntimeError(f"buddy returned generation {objects['iteration']}, "
+            raise RuntimeError(f"buddy returned snapshot {objects['iteration']}, "
                                f"expected {state.iteration}")
         state.objects = fresh
         state.iteration = objects["iteration"]
         state.consumed_samples = objects["consumed_samples"]
-        self.engine.attach(state)
+        self.engine.attach(fresh)
         if torch.distributed.get_rank() == 0:
             log.info("restore rehearsal: every rank now runs on a fresh model restored from "
-                     "its buddy's copy of generation %d (%.0f ms)", state.iteration,
+                     "its buddy's copy of snapshot %d (%.0f ms)", state.iteration,
                      1e3 * (time.perf_counter() - t0))

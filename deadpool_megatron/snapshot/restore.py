@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from deadpool_megatron.integration.model import TrainingObjects
-from deadpool_megatron.integration.optimizer_state import materialize_optimizer_state
+from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.integration.rng_state import get_rng_state, set_rng_state
 from deadpool_megatron.snapshot.buffers import Slot
 from deadpool_megatron.snapshot.manifest import (
@@ -36,16 +36,24 @@ def capture_objects(manifest: Manifest, objs: TrainingObjects, iteration: int,
     })
 
 
+def rewind_rng(objects_blob: bytes) -> dict[str, Any]:
+    """Set every RNG stream to a snapshot's (a survivor that recomputes an iteration its
+    live state has not stepped past needs nothing else); returns the small objects."""
+    objects = unpack_objects(objects_blob)
+    set_rng_state(objects["rng"])
+    return objects
+
+
 def restore_shard(objs: TrainingObjects, slot: Slot, distributed_optimizer: bool) -> dict[str, Any]:
-    """Load `slot` (already checksum-verified) into `objs`; returns its small objects."""
+    """Load `slot` (checksum-verified here) into `objs`; returns its small objects."""
     if not slot.verify():
-        raise SnapshotMismatch(f"snapshot of generation {slot.generation} fails its checksum")
-    materialize_optimizer_state(objs.optimizer)
+        raise SnapshotMismatch(f"snapshot of iteration {slot.iteration} fails its checksum")
+    allocate_optimizer_state(objs.optimizer)
     manifest = build_manifest(objs.model, objs.optimizer, distributed_optimizer)
     objects = unpack_objects(slot.objects)
     if objects["layout"] != layout_signature(manifest):
         raise SnapshotMismatch(
-            f"snapshot of generation {slot.generation} was taken from a different model or "
+            f"snapshot of iteration {slot.iteration} was taken from a different model or "
             f"optimizer layout ({slot.flat.numel()} bytes vs {manifest.nbytes} here)")
     restore_from(manifest, slot.flat)
     objs.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved steps

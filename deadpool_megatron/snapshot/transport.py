@@ -1,7 +1,7 @@
 """Buddy transfer over the snapshot process group (gloo, host memory to host memory).
 
 Every rank sends its own snapshot to its buddy and receives its ward's at the same time.
-A header (generation, CRC, sizes) goes first, then the pickled objects, then the tensor
+A header (iteration, CRC, sizes) goes first, then the pickled objects, then the tensor
 bytes in chunks, so a large shard streams and a sender that dies mid-way leaves a torn copy
 that the receiver detects.
 """
@@ -23,13 +23,13 @@ class TornTransfer(RuntimeError):
 
 @dataclass(frozen=True)
 class Header:
-    generation: int
+    iteration: int
     crc: int
     objects_len: int
     flat_len: int
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor([self.generation, self.crc, self.objects_len, self.flat_len],
+        return torch.tensor([self.iteration, self.crc, self.objects_len, self.flat_len],
                             dtype=torch.int64)
 
     @classmethod
@@ -54,13 +54,13 @@ def exchange(group: Any, outgoing: Slot | None, buddy: int, incoming: Slot | Non
     """Send `outgoing` to `buddy` while receiving into `incoming` from `ward`.
 
     Either side may be None (one-way transfer, used by restores). On return `incoming`
-    holds a verified copy; otherwise TornTransfer is raised and it holds generation -1.
+    holds a verified copy; otherwise TornTransfer is raised and it holds iteration -1.
     """
     try:
         in_hdr = torch.zeros(4, dtype=torch.int64) if incoming is not None else None
         out_hdr = None
         if outgoing is not None:
-            out_hdr = Header(outgoing.generation, outgoing.crc, len(outgoing.objects),
+            out_hdr = Header(outgoing.iteration, outgoing.crc, len(outgoing.objects),
                              outgoing.flat.numel()).tensor()
         _exchange(group, out_hdr, buddy, in_hdr, ward)
         header = Header.from_tensor(in_hdr) if in_hdr is not None else None
@@ -85,7 +85,7 @@ def exchange(group: Any, outgoing: Slot | None, buddy: int, incoming: Slot | Non
                 after_first_chunk()
     except RuntimeError as err:
         if incoming is not None:
-            incoming.generation = -1
+            incoming.iteration = -1
         if isinstance(err, TornTransfer):
             raise
         raise TornTransfer(f"transfer with buddy {buddy} / ward {ward} failed: {err}") from err
@@ -93,7 +93,7 @@ def exchange(group: Any, outgoing: Slot | None, buddy: int, incoming: Slot | Non
         incoming.objects = bytes(in_obj.numpy()) if in_obj is not None else b""
         incoming.crc = header.crc
         if checksum(incoming.flat, incoming.objects) != header.crc:
-            incoming.generation = -1
-            raise TornTransfer(f"checksum mismatch for generation {header.generation} "
+            incoming.iteration = -1
+            raise TornTransfer(f"checksum mismatch for iteration {header.iteration} "
                                f"from ward {ward}")
-        incoming.generation = header.generation
+        incoming.iteration = header.iteration

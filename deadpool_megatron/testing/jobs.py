@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 FINGERPRINT = re.compile(r"^state fingerprint: ([0-9a-f]{64})$", re.M)
 LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*lm loss: ([0-9.E+-]+)")
+PARAM_NORM = re.compile(r"^parameter norm: ([0-9.e+-]+)$", re.M)
 
 
 @dataclass
@@ -45,6 +46,11 @@ class JobResult:
     def fingerprint(self) -> str | None:
         found = FINGERPRINT.findall(self.output)
         return found[-1] if found else None
+
+    @property
+    def param_norm(self) -> float | None:
+        found = PARAM_NORM.findall(self.output)
+        return float(found[-1]) if found else None
 
     @property
     def losses(self) -> dict[int, float]:

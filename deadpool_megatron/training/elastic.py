@@ -1,7 +1,10 @@
 """The generation loop of a worker under deadpool-launch: train until done; on a failure,
-leave the broken generation, join the next one, restore state, and go on.
+recover into the next generation (reconstruct/recovery.py) and go on.
 
-Survivors and spares run the same code: a spare simply starts by waiting for a rank.
+Each generation's training runs in a thread of its own, so the main thread can leave a
+broken generation the moment it is declared. Survivors and spares run the same code: a
+spare starts by waiting for a rank, builds that rank's objects alone, and enters the
+generation that gave it the rank the way a survivor enters the next one.
 """
 
 from __future__ import annotations
@@ -15,35 +18,64 @@ import traceback
 from functools import partial
 from typing import Callable, ContextManager
 
-import torch
-import torch.distributed as dist
-
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control.client import ControlClient, JobShutdown
 from deadpool_megatron.control.policy import RecoveryImpossible
 from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.integration.distributed import destroy_process_groups
-from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
-                                                  sever_connections)
-from deadpool_megatron.training.hooks import LoopState, TrainingHooks
+from deadpool_megatron.reconstruct.recovery import CannotContinue, Member
+from deadpool_megatron.replay.ledger import MicrobatchLedger, ReductionBarrier
+from deadpool_megatron.replay.plan import MicrobatchWork
 
 log = logging.getLogger("deadpool_megatron.elastic")
-STOP_TIMEOUT_S = 5.0  # how long a survivor waits for its broken generation's thread to end
 
 
 class GenerationBroken(RuntimeError):
     """A newer generation was declared while this one was training."""
 
 
+class _StopPoints(TrainingHooks):
+    """Raises in a stopping training thread at the next point where its state is clean:
+    any micro-batch boundary (stop_now), or only the points outside the micro-batches, so an
+    intact replica finishes accumulating its gradients first (stop_before_reduction)."""
+
+    def __init__(self) -> None:
+        self.now = threading.Event()
+        self.before_reduction = threading.Event()
+
+    def _anywhere(self) -> None:
+        if self.now.is_set():
+            raise GenerationBroken("this generation was abandoned")
+
+    def _between_microbatches(self) -> None:
+        if self.now.is_set() or self.before_reduction.is_set():
+            raise GenerationBroken("this generation was abandoned")
+
+    def on_phase(self, phase: str, state: LoopState) -> None:
+        if phase in ("forward", "microbatch", "backward"):
+            self._anywhere()
+
+    def on_iteration_start(self, state: LoopState) -> None:
+        self._between_microbatches()
+
+    def before_grad_reduction(self, state: LoopState) -> None:
+        self._between_microbatches()
+
+    def before_optimizer_step(self, state: LoopState) -> None:
+        self._between_microbatches()
+
+    def after_iteration(self, state: LoopState) -> None:
+        self._between_microbatches()
+
+
 class GenerationThread:
-    """One generation's training in a thread of its own, so the main thread can leave a
-    broken generation at once (gloo cannot free a collective blocked in another thread)."""
+    """One generation's training in a thread of its own."""
 
     def __init__(self, body: Callable[[TrainingHooks], None],
                  thread_context: Callable[[], ContextManager]) -> None:
-        self.cancelled = threading.Event()
+        self.stops = _StopPoints()
         self._body, self._context = body, thread_context
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._target, name="deadpool-train",
@@ -52,7 +84,7 @@ class GenerationThread:
     def _target(self) -> None:
         try:
             with self._context():
-                self._body(_StopWhenCancelled(self.cancelled))  # the loop's first hook
+                self._body(self.stops)
         except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
             self._error = err
 
@@ -67,58 +99,87 @@ class GenerationThread:
         if self._error is not None:
             raise self._error
 
-    def stop(self, timeout_s: float) -> bool:
-        """Ask the thread to stop at its next safe point (_StopWhenCancelled) and wait; True if
-        it ended. Called after the broken generation's connections are cut, so a thread
-        blocked in a collective fails out too; one that does not end in time is left."""
-        self.cancelled.set()
-        if self._thread.ident is None:
-            return True
-        self._thread.join(timeout_s)
+    # -- what reconstruct/recovery.py's leave needs (StoppableThread) ------------------------
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop_now(self) -> None:
+        self.stops.now.set()
+
+    def stop_before_reduction(self) -> None:
+        self.stops.before_reduction.set()
+
+    def join(self, timeout_s: float) -> bool:
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     def where(self) -> str:
-        """The thread's current stack (to say where a thread that would not stop is)."""
         frame = sys._current_frames().get(self._thread.ident or -1)
-        return "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "ended"
+        return "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "ended"
 
 
-class _StopWhenCancelled(TrainingHooks):
-    """Raises in an abandoned training thread at its next micro-batch or step boundary, so it
-    never touches the model, optimizer or RNG state again."""
+class _IterationEvents(TrainingHooks):
+    """Marks each completed iteration (recovery timelines, time lost), and after a recovery
+    the end of the replay with the micro-batches it really computed."""
 
-    def __init__(self, cancelled: threading.Event) -> None:
-        self.cancelled = cancelled
-
-    def _check(self) -> None:
-        if self.cancelled.is_set():
-            raise GenerationBroken("this generation was abandoned")
-
-    def on_phase(self, phase: str, state: LoopState) -> None:
-        self._check()
-
-    def before_optimizer_step(self, state: LoopState) -> None:
-        self._check()
+    def __init__(self, member: Member, last_replayed: int | None) -> None:
+        self.member, self.last = member, last_replayed
+        self.computed_before = member.ledger.computed
 
     def after_iteration(self, state: LoopState) -> None:
-        self._check()
+        self.member.events.emit("step_completed", iteration=state.iteration)
+        if state.iteration == self.last:
+            self.member.events.emit(
+                "replay_done", iteration=state.iteration,
+                microbatches_computed=self.member.ledger.computed - self.computed_before)
+
+
+def _reduction_barrier() -> Callable[[], None] | None:
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        return None
+    return lambda: dist.barrier(group=ps.get_data_parallel_group(with_context_parallel=True))
+
+
+def _train(member: Member, dataset: object, finish: Callable[[LoopState], None],
+           work: dict[int, MicrobatchWork], stops: TrainingHooks) -> None:
+    from deadpool_megatron.integration.checkpoint import Checkpointer
+    from deadpool_megatron.training.loop import train
+
+    hooks: list[TrainingHooks] = [member.ledger, stops, member.injector.hooks(), member.engine]
+    barrier = _reduction_barrier()
+    if barrier is not None:
+        hooks.append(ReductionBarrier(barrier))
+    hooks.append(_IterationEvents(member, max(work) if work else None))
+    train(member.cfg, dataset, member.state, hooks=hooks, checkpointer=Checkpointer(member.cfg),
+          replay=work)
+    finish(member.state)
 
 
 def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
                 cpu_rehearsal: bool, finish: Callable[[LoopState], None],
                 thread_context: Callable[[], ContextManager]) -> int:
     from deadpool_megatron.faults.spec import parse_fault, target_ranks
-    from deadpool_megatron.integration.distributed import set_seeds
-    from deadpool_megatron.integration.model import build_training_objects
-    from deadpool_megatron.integration.checkpoint import Checkpointer
-    from deadpool_megatron.reconstruct.recovery import recover_state
+    from deadpool_megatron.integration.distributed import destroy_process_groups
+    from deadpool_megatron.reconstruct.groups import join_generation
+    from deadpool_megatron.reconstruct.recovery import build_fresh, enter, recover
+    from deadpool_megatron.reconstruct.rebind import MegatronGlobals
+    from deadpool_megatron.reconstruct.spare import build_for_rank, warm_up_imports
     from deadpool_megatron.snapshot.engine import SnapshotEngine
     from deadpool_megatron.topology import ParallelSizes
-    from deadpool_megatron.training.loop import train
 
     world = int(os.environ["WORLD_SIZE"])
+    # Gloo groups connect their pairs at first use, not at creation: a generation creates
+    # some twenty Megatron groups it mostly never uses (expert, context-parallel...), and a
+    # full mesh for each took 170 ms of every recovery here (20 ms lazily).
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     try:
         if ctl.is_spare:
+            warm_up_imports()
+            megatron_globals = MegatronGlobals().prepare()
             log.info("spare %s ready (imports done); waiting for an assignment", ctl.worker)
             generation, rank = ctl.wait_for_assignment()
         else:
@@ -126,71 +187,51 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     except JobShutdown as end:
         log.info("spare %s released: %s", ctl.worker, end)
         return 0
+    t0 = time.perf_counter()
     events = EventLog(ft.deadpool_events, rank)
     sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
                                      cfg.pipeline_model_parallel_size)
-    faults = [parse_fault(s) for s in ft.deadpool_inject]
     # Faults belong to the original workers of the first launch: neither a spare taking a
     # rank nor a restart from the checkpoint re-fires them.
     first_epoch = os.environ.get("DEADPOOL_EPOCH", "0") == "0"
+    faults = [parse_fault(s) for s in ft.deadpool_inject]
     mine = [] if ctl.is_spare or not first_epoch else [
         f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
     injector = FaultInjector(mine, rank, events)
-    engine = SnapshotEngine(cfg, ft, injector, events)
-    recovering = ctl.is_spare
-    failed_at: float | None = None
-    old_groups: list = []  # kept only for --deadpool-audit-groups
-
-    def _train_generation(generation: int, recovering: bool, t0: float,
-                          t_groups: float, stop_hook: TrainingHooks) -> None:
-            set_seeds(cfg.seed)
-            state = LoopState(iteration=0, consumed_samples=0,
-                              objects=build_training_objects(cfg, cpu_rehearsal))
-            engine.open_generation()
-            checkpointer = Checkpointer(cfg)
-            if recovering:
-                injector.fire("recovery", generation)
-                replaced = set(ctl.replaced(generation))
-                restored, from_buddy = recover_state(engine, state, replaced, generation,
-                                                     cfg.use_distributed_optimizer)
-                if ft.deadpool_audit_groups:
-                    from deadpool_megatron.reconstruct.audit import reachable_groups, stale_groups
-
-                    roots = [state.objects, engine]
-                    stale = stale_groups(roots, old_groups)
-                    log.info("group audit on rank %d: %d groups reachable from the new "
-                             "generation's objects, %d of them from an old generation",
-                             rank, len(reachable_groups(roots)), len(stale))
-                    if stale:
-                        raise RuntimeError(f"{len(stale)} old-generation groups still held")
-                events.emit("recovered", generation=generation, restored=restored,
-                            groups_s=t_groups - t0, total_s=time.perf_counter() - t0,
-                            from_buddy=from_buddy)
-                if rank == 0:
-                    log.info("recovery: generation %d formed (groups rebuilt in %.0f ms); "
-                             "every rank restored snapshot %d (replaced ranks %s); replaying "
-                             "from iteration %d", generation, 1e3 * (t_groups - t0), restored,
-                             sorted(replaced), restored + 1)
-            elif cfg.load:
-                checkpointer.load(state)
-            train(cfg, dataset, state, hooks=[stop_hook, engine, injector.hooks()],
-                  checkpointer=checkpointer,
-                  on_iteration=lambda s: _first_step_after(events, s, recovering))
-            finish(state)
+    member = Member(cfg=cfg, ft=ft, ctl=ctl, rank=rank, world=world,
+                    cpu_rehearsal=cpu_rehearsal, events=events,
+                    engine=SnapshotEngine(cfg, ft, injector, events),
+                    ledger=MicrobatchLedger(), injector=injector, dataset=dataset,
+                    generation=generation)
+    if ctl.is_spare:
+        member.megatron_globals = megatron_globals
+    work: dict[int, MicrobatchWork] = {}
+    try:
+        if ctl.is_spare:
+            objs, member.registry = build_for_rank(cfg, rank, world, cpu_rehearsal)
+            member.state = LoopState(iteration=0, consumed_samples=0, objects=objs)
+            member.engine.attach(objs)
+            member.remember_identity()
+            log.info("spare %s takes rank %d (generation %d); built its objects alone in "
+                     "%.0f ms", ctl.worker, rank, generation, 1e3 * (time.perf_counter() - t0))
+            work = enter(member, generation, t0)
+        else:
+            if not join_generation(ctl, 0, rank, world, cfg):
+                raise RuntimeError("a failure was declared before the job started")
+            build_fresh(member)
+    except JobShutdown as end:
+        log.error("rank %d: job ended by the launcher: %s", rank, end)
+        return 1
+    except Exception as err:  # noqa: BLE001 - a failure while joining: recover like any
+        work = _recover(member, None, err)
 
     while True:
-        trainer: GenerationThread | None = None
+        training = GenerationThread(partial(_train, member, dataset, finish, work),
+                                    thread_context)
         try:
-            t0 = time.perf_counter()
-            if not join_generation(ctl, generation, rank, world, cfg):
-                generation = ctl.wait_generation_after(generation)
-                continue
             declared = threading.Event()
-            ctl.watch(generation, lambda g: declared.set())
-            t_groups = time.perf_counter()
-            trainer = GenerationThread(partial(_train_generation, generation, recovering, t0,
-                                               t_groups), thread_context)
-            trainer.run(declared)
+            ctl.watch(member.generation, lambda g: declared.set())
+            training.run(declared)
             ctl.unwatch()
             ctl.mark_done()
             destroy_process_groups()
@@ -198,48 +239,43 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         except JobShutdown as end:
             log.error("rank %d: job ended by the launcher: %s", rank, end)
             return 1
-        except (RecoveryImpossible, InjectedFault) as err:
-            # This rank itself cannot go on: leave, and let the launcher see the exit.
-            log.error("rank %d: leaving the job: %s", rank, err)
-            ctl.report_failure(str(err))
-            leave_generation()
-            sys.stdout.flush()
-            os._exit(3 if isinstance(err, RecoveryImpossible) else 1)
+        except (RecoveryImpossible, InjectedFault, CannotContinue) as err:
+            return _leave_job(member, err)
         except Exception as err:  # noqa: BLE001 - a peer failed: recover
-            failed_at = time.time()
-            if trainer is not None:
-                trainer.cancelled.set()  # before anything it may be waiting on is released
             ctl.unwatch()
-            if ft.deadpool_audit_groups:
-                from deadpool_megatron.reconstruct.groups import live_groups
+            work = _recover(member, training, err)
 
-                old_groups += live_groups()
-            engine.abandon()
-            severed = sever_connections({ctl.port})
-            stopped = trainer is None or trainer.stop(STOP_TIMEOUT_S)
-            if not stopped:
-                log.warning("rank %d: the training thread of generation %d did not stop "
-                            "within %.0f s; leaving it behind, at:\n%s", rank, generation,
-                            STOP_TIMEOUT_S, trainer.where())
-            leave_generation()
-            events.emit("abort", generation=generation, error=str(err)[:300],
-                        severed=severed, thread_stopped=stopped)
-            log.warning("rank %d: generation %d broken (%s); waiting for the next one",
-                        rank, generation, str(err).splitlines()[0][:160])
-            try:
-                new_generation = ctl.wait_generation_after(generation)
-            except (JobShutdown, TimeoutError) as end:
-                log.error("rank %d: no recovery: %s", rank, end)
-                return 1
-            members = ctl.members(new_generation)
-            if members.get(rank) != ctl.worker:
-                log.error("rank %d: declared failed in generation %d; exiting", rank,
-                          new_generation)
-                return 1
-            events.emit("left_generation", generation=generation, next=new_generation,
-                        after_s=time.time() - failed_at)
-            generation, recovering = new_generation, True
 
-def _first_step_after(events: EventLog, state: LoopState, recovering: bool) -> None:
-    if recovering:
-        events.emit("step_completed", iteration=state.iteration)
+def _recover(member: Member, training: GenerationThread | None,
+             err: BaseException) -> dict[int, MicrobatchWork]:
+    """Recover, again and again while failures strike during recovery."""
+    from deadpool_megatron.reconstruct.recovery import recover
+
+    while True:
+        log.warning("rank %d: generation %d broken (%s); recovering", member.rank,
+                    member.generation, str(err).splitlines()[0][:160] if str(err) else err)
+        try:
+            return recover(member, training)
+        except (JobShutdown, TimeoutError) as end:
+            log.error("rank %d: no recovery: %s", member.rank, end)
+            _exit(1)
+        except (RecoveryImpossible, InjectedFault, CannotContinue) as fatal:
+            _exit(_leave_job(member, fatal))
+        except Exception as again:  # noqa: BLE001 - a failure during recovery
+            err, training = again, None
+
+
+def _leave_job(member: Member, err: BaseException) -> int:
+    """This rank cannot go on: say why and leave; the launcher sees the exit."""
+    from deadpool_megatron.reconstruct.groups import leave_generation
+
+    log.error("rank %d: leaving the job: %s", member.rank, err)
+    member.ctl.report_failure(str(err))
+    leave_generation()
+    return 3 if isinstance(err, RecoveryImpossible) else 1
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Callable, Iterable, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.hooks import HookChain, LoopState, TrainingHooks
 from deadpool_megatron.integration.data import MicrobatchIterator
 from deadpool_megatron.integration.step import StepResult, train_step
-from deadpool_megatron.training.hooks import LoopState, TrainingHooks
+from deadpool_megatron.replay.plan import OWN_MICROBATCHES, MicrobatchWork
 
 log = logging.getLogger("deadpool_megatron.train")
 
@@ -39,49 +40,37 @@ def _log_iteration(cfg: TrainConfig, state: LoopState, result: StepResult, lr: f
     )
 
 
-def _each(calls: Iterable[Callable[[], object]]) -> None:
-    for call in calls:
-        call()
-
-
 def train(cfg: TrainConfig, dataset: object, state: LoopState,
           hooks: Sequence[TrainingHooks] = (), checkpointer: object = None,
-          on_iteration: Callable[[LoopState], None] = lambda state: None) -> LoopState:
+          replay: Mapping[int, MicrobatchWork] | None = None) -> LoopState:
     """Run iterations state.iteration+1 .. cfg.train_iters; returns the final state.
 
-    The training objects are read from `state.objects` every iteration: a hook may replace
-    them (a restore from a snapshot builds fresh ones).
+    `replay` says, for iterations right after a recovery, which micro-batches this rank
+    computes (the others: its own, from zeroed gradients).
     """
     from megatron.core import parallel_state as ps
 
     world = torch.distributed.get_world_size()
     num_mb = cfg.num_microbatches(world)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    for h in hooks:
-        h.on_train_start(state)
+    chain = HookChain(list(hooks))
+    chain.on_train_start(state)
     while state.iteration < cfg.train_iters:
         start = time.perf_counter()
-        objs = state.objects
-        batches = MicrobatchIterator(dataset, state.consumed_samples, num_mb,
-                                     cfg.micro_batch_size, dp_rank, dp_size)
-        result = train_step(
-            objs, batches, num_mb, cfg.seq_length, cfg.micro_batch_size,
-            before_optimizer_step=lambda: _each(partial(h.before_optimizer_step, state)
-                                                for h in hooks),
-            phase_hook=lambda phase: _each(partial(h.on_phase, phase, state) for h in hooks),
-        )
-        objs.scheduler.step(increment=cfg.global_batch_size)
+        batches = partial(MicrobatchIterator, dataset, state.consumed_samples,
+                          micro_batch_size=cfg.micro_batch_size, dp_size=dp_size)
+        work = (replay or {}).get(state.iteration + 1, OWN_MICROBATCHES)
+        result = train_step(state.objects, batches, num_mb, dp_rank, cfg.seq_length,
+                            cfg.micro_batch_size, chain, state, work)
+        state.objects.scheduler.step(increment=cfg.global_batch_size)
         state.iteration += 1
         state.consumed_samples += cfg.global_batch_size
-        for h in hooks:
-            h.after_iteration(state)
-        on_iteration(state)
+        chain.after_iteration(state)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         if state.iteration % cfg.log_interval == 0:
             lr = state.objects.optimizer.param_groups[0]["lr"]
             _log_iteration(cfg, state, result, lr, elapsed_ms)
         if checkpointer is not None and checkpointer.after_iteration(state):  # type: ignore[attr-defined]
             break
-    for h in hooks:
-        h.on_train_end(state)
+    chain.on_train_end(state)
     return state

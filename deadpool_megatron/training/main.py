@@ -75,12 +75,13 @@ def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
 
 
 def _finish(state) -> None:
-    from deadpool_megatron.integration.fingerprint import job_fingerprint
+    from deadpool_megatron.integration.fingerprint import job_fingerprint, job_param_norm
 
     objs = state.objects
     fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
+    norm = job_param_norm(objs.model)
     if torch.distributed.get_rank() == 0:
-        print(f"state fingerprint: {fingerprint}", flush=True)
+        print(f"state fingerprint: {fingerprint}\nparameter norm: {norm!r}", flush=True)
 
 
 def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) -> int:
@@ -92,7 +93,7 @@ def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) 
         set_seeds,
     )
     from deadpool_megatron.integration.model import build_training_objects
-    from deadpool_megatron.training.hooks import LoopState
+    from deadpool_megatron.hooks import LoopState
     from deadpool_megatron.training.loop import train
 
     log = logging.getLogger("deadpool_megatron.train")

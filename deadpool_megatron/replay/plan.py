@@ -1,0 +1,167 @@
+"""The recovery plan, a pure function of what every rank reports: which snapshot everyone
+continues from, who restores what from where, and which micro-batches each rank computes
+again. Plain data in and out, so it is tested at 100,000 simulated ranks.
+
+The rules:
+- The target T is the newest snapshot iteration that every survivor can stand on (it holds
+  its own copy of T complete, or its live state is T) and whose copy of every replaced rank
+  is complete on that rank's buddy.
+- A replaced rank (a spare), or one that holds no snapshot of its own, restores from its
+  buddy; a survivor whose live state is T restores nothing; any other survivor (it stepped
+  past T, or a step was cut short) rolls back to its own copy of T. A partly stepped
+  optimizer is never used: its live state does not count.
+- Iteration T+1: a data-parallel replica whose every rank restored nothing and holds T+1's
+  micro-batches accumulated, unreduced, keeps its gradients and recomputes nothing. Every
+  other replica recomputes its micro-batches of T+1 from zeroed gradients, in their
+  original order (bit-identical), or, with mode "spread", the lost micro-batches are dealt
+  over all replicas (each computed once; not bit-identical: floating-point sums reassociate).
+- Iterations T+2 .. F (the last one any rank had worked on) are recomputed whole: a deeper
+  rollback happens only when snapshot T+1 is not complete everywhere.
+- No common snapshot, but no survivor has begun an iteration since the job's start (a
+  failure before the starting state's snapshot committed): every rank builds its state again
+  as the start did (seeded initialisation, or the --load checkpoint): FRESH_START.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deadpool_megatron.control.policy import RecoveryImpossible
+
+MODES = ("local", "spread")
+FRESH_START = -1  # the target of a plan that rebuilds the starting state
+
+
+@dataclass(frozen=True)
+class MicrobatchWork:
+    """What one rank computes in one iteration."""
+
+    keep_grads: bool = False  # gradients accumulated before a failure stay (not zeroed)
+    # (data-parallel rank, index) pairs to compute; None: this rank's own N micro-batches.
+    microbatches: tuple[tuple[int, int], ...] | None = None
+
+    def items(self, dp_rank: int, num_microbatches: int) -> list[tuple[int, int]]:
+        if self.microbatches is None:
+            return [(dp_rank, i) for i in range(num_microbatches)]
+        return list(self.microbatches)
+
+    def count(self, num_microbatches: int) -> int:
+        return num_microbatches if self.microbatches is None else len(self.microbatches)
+
+
+OWN_MICROBATCHES = MicrobatchWork()
+KEEP = MicrobatchWork(keep_grads=True, microbatches=())
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank of the new generation, as it reports itself to the recovery."""
+
+    own: tuple[int, ...]  # snapshot iterations of its own shard it holds complete
+    ward: tuple[int, ...]  # snapshot iterations of its ward's shard it holds complete
+    live: int | None  # completed iteration its live state is at (None: not usable)
+    grads_intact: bool  # live+1's micro-batches all accumulated, unreduced
+    reached: int  # the last iteration it did any work on
+    at_start: bool = False  # its live state is the job's starting state, nothing begun since
+
+
+SPARE_REPORT = RankReport(own=(), ward=(), live=None, grads_intact=False, reached=-1)
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    target: int  # snapshot iteration every rank stands on after the restore
+    restore: tuple[str, ...]  # per rank: "none", "own" or "buddy"
+    work: tuple[dict[int, MicrobatchWork], ...]  # per rank: iteration -> work (T+1 .. F)
+    last_iteration: int  # F: the last iteration any rank had worked on
+    refill_ward: tuple[bool, ...]  # per rank: its ward copy of T is sent to it (a spare)
+    num_microbatches: int
+
+    def recomputed(self, rank: int) -> int:
+        """Micro-batches `rank` computes for iterations T+1 .. F."""
+        return sum(w.count(self.num_microbatches) for w in self.work[rank].values())
+
+    def whole_iteration_replay(self) -> int:
+        """What a replay of whole iterations from T would make each rank compute."""
+        return self.num_microbatches * (self.last_iteration - self.target)
+
+    def rewinds_rng(self, rank: int) -> bool:
+        """A survivor that keeps its live state but recomputes T+1 from zeroed gradients
+        must draw the same random numbers again: its RNG goes back to snapshot T's."""
+        first = self.work[rank].get(self.target + 1)
+        return self.restore[rank] == "none" and first is not None and not first.keep_grads
+
+
+def choose_target(reports: list[RankReport], needs_buddy: list[bool],
+                  buddies: list[int]) -> int | None:
+    """The newest iteration every rank can stand on (see the module docstring)."""
+    candidates: set[int] | None = None
+    for rank, report in enumerate(reports):
+        if needs_buddy[rank]:
+            holder = buddies[rank]
+            held = set() if needs_buddy[holder] else set(reports[holder].ward)
+        else:
+            held = set(report.own) | ({report.live} if report.live is not None else set())
+        candidates = held if candidates is None else candidates & held
+        if not candidates:
+            return None
+    return max(candidates) if candidates else None
+
+
+def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[int],
+                  replica_of: list[int], num_microbatches: int,
+                  mode: str = "local") -> RecoveryPlan:
+    """See the module docstring. replica_of[r] is rank r's data-parallel rank."""
+    if mode not in MODES:
+        raise ValueError(f"replay mode {mode!r}: use one of {', '.join(MODES)}")
+    world = len(reports)
+    needs_buddy = [r in replaced or not reports[r].own for r in range(world)]
+    target = choose_target(reports, needs_buddy, buddies)
+    survivors = [rep for r, rep in enumerate(reports) if r not in replaced and rep.live is not None]
+    if target is None and survivors and all(rep.at_start for rep in survivors):
+        return RecoveryPlan(target=FRESH_START, restore=("fresh",) * world,
+                            work=tuple({} for _ in range(world)), last_iteration=FRESH_START,
+                            refill_ward=(False,) * world, num_microbatches=num_microbatches)
+    if target is None:
+        lost = sorted(r for r in range(world) if needs_buddy[r])
+        raise RecoveryImpossible(
+            f"no snapshot iteration is held by every survivor and by the buddies of ranks "
+            f"{lost} (own/ward iterations held: "
+            f"{ {r: (rep.own, rep.ward) for r, rep in enumerate(reports)} })")
+    restore = tuple("buddy" if needs_buddy[r] else
+                    "none" if reports[r].live == target else "own" for r in range(world))
+    last = max([target] + [rep.reached for r, rep in enumerate(reports) if not needs_buddy[r]])
+    replicas = sorted(set(replica_of))
+    keeps = {d: True for d in replicas}
+    for r in range(world):
+        rep = reports[r]
+        if restore[r] != "none" or not rep.grads_intact or rep.live != target:
+            keeps[replica_of[r]] = False
+    work: list[dict[int, MicrobatchWork]] = [{} for _ in range(world)]
+    if last > target:
+        first = _first_iteration(keeps, replicas, num_microbatches, mode)
+        for r in range(world):
+            work[r][target + 1] = first[replica_of[r]]
+            for it in range(target + 2, last + 1):
+                work[r][it] = OWN_MICROBATCHES
+    wards = [0] * world
+    for r, b in enumerate(buddies):
+        wards[b] = r
+    refill = tuple(needs_buddy[r] and not needs_buddy[wards[r]]
+                   and target in reports[wards[r]].own for r in range(world))
+    return RecoveryPlan(target=target, restore=restore, work=tuple(work), last_iteration=last,
+                        refill_ward=refill, num_microbatches=num_microbatches)
+
+
+def _first_iteration(keeps: dict[int, bool], replicas: list[int], num_microbatches: int,
+                     mode: str) -> dict[int, MicrobatchWork]:
+    """Per replica, the work of iteration T+1 (the one a failure usually cuts short)."""
+    kept = [d for d in replicas if keeps[d]]
+    if mode == "local" or not kept:
+        return {d: KEEP if keeps[d] else OWN_MICROBATCHES for d in replicas}
+    lost = [(d, i) for d in replicas if not keeps[d] for i in range(num_microbatches)]
+    shares: dict[int, list[tuple[int, int]]] = {d: [] for d in replicas}
+    for n, item in enumerate(lost):
+        shares[replicas[n % len(replicas)]].append(item)
+    return {d: MicrobatchWork(keep_grads=keeps[d], microbatches=tuple(shares[d]))
+            for d in replicas}

@@ -1,0 +1,133 @@
+"""The micro-batch ledger and the group rebind, without processes."""
+
+from __future__ import annotations
+
+import functools
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch.distributed as dist
+
+from deadpool_megatron.hooks import LoopState
+from deadpool_megatron.reconstruct.rebind import (group_mapping, group_registry,
+                                                  rebind_groups, reachable_groups,
+                                                  stale_references)
+from deadpool_megatron.replay.ledger import MicrobatchLedger
+
+
+def _iteration(ledger: MicrobatchLedger, state: LoopState, microbatches: int,
+               stop_at: str | None = None) -> None:
+    """Drive the hooks as the training loop does, stopping where a failure would."""
+    ledger.on_iteration_start(state)
+    for i in range(microbatches):
+        ledger.on_phase("forward" if i == 0 else "microbatch", state)
+        if stop_at == f"microbatch{i}":
+            return
+    ledger.before_grad_reduction(state)
+    if stop_at == "barrier":
+        return
+    ledger.on_phase("reduction", state)
+    if stop_at == "reduction":
+        return
+    ledger.on_phase("step", state)
+    if stop_at == "step":
+        return
+    state.iteration += 1
+    ledger.after_iteration(state)
+
+
+@pytest.mark.parametrize("stop_at, live, intact, reached", [
+    (None, 5, False, 5),  # iteration 5 completed: nothing running
+    ("microbatch2", 4, False, 5),  # mid-way: the buffers hold part of iteration 5
+    ("barrier", 4, True, 5),  # all accumulated, stopped before the reduction: kept
+    ("reduction", 4, False, 5),  # the reduction began: buffers may be partly reduced
+    ("step", None, False, 5),  # the optimizer step began: live state unusable
+])
+def test_ledger_says_what_a_failure_left(stop_at: str | None, live: int | None,
+                                         intact: bool, reached: int) -> None:
+    ledger, state = MicrobatchLedger(), LoopState(iteration=4, consumed_samples=0, objects=None)
+    _iteration(ledger, state, 4, stop_at)
+    assert ledger.live_iteration(state) == live
+    assert ledger.grads_intact(state) == intact
+    assert ledger.reached(state) == reached
+
+
+def test_ledger_counts_microbatches_computed() -> None:
+    ledger, state = MicrobatchLedger(), LoopState(iteration=0, consumed_samples=0, objects=None)
+    _iteration(ledger, state, 4)
+    _iteration(ledger, state, 3, stop_at="microbatch2")
+    assert ledger.computed == 7 and ledger.reached(state) == 2
+
+
+@pytest.fixture
+def two_generations():
+    """Generation 0's groups, then generation 1's, as a survivor sees them."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g0/", store), rank=0, world_size=1)
+    dist.new_group([0], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+    dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+    old = group_registry()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1/", store), rank=0, world_size=1)
+    dist.new_group([0], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+    dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+    try:
+        yield old, group_registry()
+    finally:
+        dist.destroy_process_group()
+
+
+Pair = namedtuple("Pair", "tp dp")
+
+
+@dataclass(frozen=True)
+class Frozen:
+    group: object
+
+
+class Slotted:
+    __slots__ = ("group",)
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+
+
+def test_rebind_reaches_every_kind_of_holder(two_generations) -> None:
+    old, new = two_generations
+    tp = old[("TENSOR_MODEL_PARALLEL_GROUP", (0,), 0)]
+    dp = old[("DATA_PARALLEL_GROUP", (0,), 0)]
+
+    def closure() -> object:
+        return tp
+
+    class Holder:
+        def __init__(self) -> None:
+            self.tp_group = tp  # an attribute (Megatron layers)
+            self.groups = [tp, {"dp": dp}]  # containers
+            self.pair = Pair(tp, dp)  # a named tuple
+            self.frozen = Frozen(dp)  # a frozen dataclass (a process-group collection)
+            self.slotted = Slotted(tp)
+            self.call = functools.partial(print, group=dp)  # a partial's keywords
+            self.fn = closure  # a closure cell
+            self.method = self.describe  # a bound method back to the holder
+
+        def describe(self) -> str:
+            return "holder"
+
+    holder = Holder()
+    assert len(reachable_groups([holder])) == 9
+    assert stale_references([holder], old.values()) == 9
+    replaced = rebind_groups([holder], group_mapping(old, new))
+    assert replaced == 9
+    assert stale_references([holder], old.values()) == 0
+    assert holder.pair.tp is new[("TENSOR_MODEL_PARALLEL_GROUP", (0,), 0)]
+    assert holder.call.keywords["group"] is new[("DATA_PARALLEL_GROUP", (0,), 0)]
+    assert closure() is new[("TENSOR_MODEL_PARALLEL_GROUP", (0,), 0)]
+
+
+def test_a_group_without_successor_is_an_error(two_generations) -> None:
+    old, new = two_generations
+    del new[("DATA_PARALLEL_GROUP", (0,), 0)]
+    with pytest.raises(RuntimeError, match="DATA_PARALLEL_GROUP"):
+        group_mapping(old, new)
