@@ -59,6 +59,8 @@ def _check_recoveries(run: JobResult, events: list[dict], reference: str, count:
             assert done and done[0]["microbatches_computed"] == e["microbatches_recomputed"], e
         if e["kept_grads"]:
             assert e["microbatches_recomputed"] == 0, e
+    released = [e for e in events if e["event"] == "groups_released"]
+    assert released and all(not e["alive"] for e in released), released  # none left polling
     return recovered
 
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only work
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
+    "shared-gloo-groups",
 }
 
 
@@ -154,3 +155,46 @@ def test_batch_p2p_sync_switch_exists_and_is_used() -> None:
     assert "batch_p2p_sync" in TransformerConfig.__dataclass_fields__
     assert transformer_config(TrainConfig(), cpu_rehearsal=True).batch_p2p_sync is False
     assert transformer_config(TrainConfig(), cpu_rehearsal=False).batch_p2p_sync is True
+
+
+SHARED_GROUPS = """
+import torch.distributed as dist
+from deadpool_megatron.rehearsal import prepare_megatron_import
+from deadpool_megatron.reconstruct.spare import local_world
+from deadpool_megatron.rehearsal.shared_groups import groups_shared_by_members
+prepare_megatron_import(True)
+from megatron.core import parallel_state as ps
+
+def groups(shared):
+    with local_world(5, 8):
+        calls = []
+        original = dist.new_group
+        def counting(ranks=None, *a, **k):
+            calls.append(tuple(sorted(ranks)))
+            return original(ranks, *a, **k)
+        dist.new_group = counting
+        try:
+            with groups_shared_by_members() if shared else __import__("contextlib").nullcontext():
+                ps.initialize_model_parallel(tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=2,
+                                             create_gloo_process_groups=False)
+        finally:
+            dist.new_group = original
+        mine = [pg for pg in dist.distributed_c10d._world.pg_map if pg is not dist.group.WORLD]
+        same = ps.get_tensor_model_parallel_group() is ps.get_expert_tensor_parallel_group()
+        print(len(calls), len(set(calls)), len(mine), same)
+
+groups(False)
+groups(True)
+"""
+
+
+def test_shared_gloo_groups_needed_and_work() -> None:
+    out = _python(SHARED_GROUPS)
+    assert out.returncode == 0, out.stderr
+    (calls, distinct, made, same), (_, _, made_shared, same_shared) = (
+        line.split() for line in out.stdout.split("\n")[:2])
+    assert int(calls) > int(distinct), (
+        "Megatron no longer makes groups with equal members: retire 'shared-gloo-groups'")
+    assert same == "False" and int(made) > int(made_shared)
+    assert same_shared == "True"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from datetime import timedelta
@@ -35,12 +36,18 @@ def init_megatron_groups(cfg: TrainConfig) -> None:
     """
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        distributed_timeout_minutes=cfg.distributed_timeout_minutes,
-        create_gloo_process_groups=False,
-    )
+    from deadpool_megatron.rehearsal import rehearsal_needed
+    from deadpool_megatron.rehearsal.shared_groups import groups_shared_by_members
+
+    shared = groups_shared_by_members() if rehearsal_needed(cfg.distributed_backend) \
+        else contextlib.nullcontext()
+    with shared:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+            create_gloo_process_groups=False,
+        )
 
 
 def set_seeds(seed: int) -> None:

@@ -27,7 +27,7 @@ class LaunchConfig:
         "Split each host's workers into N failure domains (rehearsal on one host)."))
     heartbeat_timeout: float = field(default=10.0, metadata=flag(
         "Seconds without a heartbeat before a worker (or its whole host) is declared lost."))
-    failure_window: float = field(default=0.05, metadata=flag(
+    failure_window: float = field(default=0.02, metadata=flag(
         "Seconds to gather failures into one declaration."))
     max_restarts: int = field(default=1, metadata=flag(
         "Whole-job restarts from the --save checkpoint when hot-swap is impossible."))

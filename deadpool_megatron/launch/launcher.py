@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -52,12 +55,25 @@ class Launcher:
         self.save_dir = _flag_value(script_args, "--save")
         self.root: dist.TCPStore | None = None
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
+        self._wake: int | None = None  # read end of the SIGCHLD wake-up pipe
 
     def _cmd(self, epoch: int) -> list[str]:
         """Epochs after the first resume from the durable checkpoint."""
         if epoch > 0 and self.save_dir and _flag_value(self.cmd, "--load") is None:
             return [*self.cmd, "--load", self.save_dir]
         return self.cmd
+
+    def _tick(self) -> None:
+        """Wait TICK_S, or less if a worker exits meanwhile."""
+        if self._wake is None:
+            time.sleep(TICK_S)
+            return
+        select.select([self._wake], [], [], TICK_S)
+        try:
+            while os.read(self._wake, 512):
+                pass
+        except BlockingIOError:
+            pass
 
     def _workers(self, epoch: int) -> LocalWorkers:
         store = dist.PrefixStore(keys.epoch_prefix(epoch), self.root)
@@ -66,6 +82,14 @@ class Launcher:
 
     def run(self) -> int:
         cfg = self.cfg
+        # A worker's death wakes the control loop at once, not at its next tick: SIGCHLD
+        # writes a byte to a pipe the loop waits on.
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        self._wake = read_end
+        signal.set_wakeup_fd(write_end)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         if cfg.node_rank == 0:
             self.root = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
                                       wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -115,7 +139,7 @@ class Launcher:
             while True:
                 workers.poll()
                 coordinator.tick(time.monotonic())
-                time.sleep(TICK_S)
+                self._tick()
         except EpochEnded as end:
             if end.returncode == RECOVERY_IMPOSSIBLE:
                 log.error("deadpool-launch: hot-swap impossible: %s", end)
@@ -152,7 +176,7 @@ class Launcher:
                          cfg.local_ranks()[-1], len(spares))
                 while not workers.store.check([keys.SHUTDOWN]):
                     workers.poll()
-                    time.sleep(TICK_S)
+                    self._tick()
                 workers.poll()
                 workers.stop(cfg.shutdown_timeout)
                 workers.poll()

@@ -63,8 +63,16 @@ class LocalWorkers:
         return spares
 
     def _start(self, worker: str, rank: int | None, slot: int) -> None:
-        self.procs[worker] = subprocess.Popen(self.cmd, env=self._env(worker, rank, slot),
-                                              stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(self.cmd, env=self._env(worker, rank, slot),
+                                stdin=subprocess.DEVNULL)
+        # Workers run one step below the launcher's priority: on a host whose cores the
+        # training saturates, the control plane that turns a death into a declaration
+        # must not queue behind it (any user may lower a child's priority).
+        try:
+            os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + 1)
+        except OSError:
+            pass
+        self.procs[worker] = proc
 
     def poll(self) -> None:
         """Report new exits; SIGKILL the workers host 0 asked to kill."""

@@ -66,6 +66,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("pipeline_parallel/p2p_communication.py:419",),
     ),
     Workaround(
+        "shared-gloo-groups",
+        "Megatron makes ~20 process groups per rank, most with another's members; each gloo "
+        "group polls in a thread of its own every 10 ms (20% of 2 cores' throughput) and "
+        "costs a rendezvous per recovery; in CPU rehearsal groups with equal members share one.",
+        ("parallel_state.py:232 create_group",),
+    ),
+    Workaround(
         "jit-fuser-off",
         "Megatron's JIT fuser is torch.compile, applied as modules load, which imports dynamo "
         "and inductor (~1.5 s of each process's start here) for fused kernels the dense CPU "

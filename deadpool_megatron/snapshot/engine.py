@@ -33,6 +33,7 @@ from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
+from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum
 from deadpool_megatron.snapshot.manifest import Manifest, build_manifest, copy_into
@@ -145,10 +146,13 @@ class SnapshotEngine(TrainingHooks):
     @staticmethod
     def stop_worker(pipe: _Pipeline | None, timeout_s: float) -> bool:
         """Wait for an abandoned pipeline's worker to end; True if it did (a worker that
-        does not could still write into the host buffers)."""
+        does not could still write into the host buffers). Its error is kept without frames
+        (metrics/errors.py)."""
         if pipe is None or pipe.thread is None:
             return True
         pipe.thread.join(timeout_s)
+        if pipe.failure is not None:
+            without_frames(pipe.failure)
         return not pipe.thread.is_alive()
 
     # -- set-up ------------------------------------------------------------------------------

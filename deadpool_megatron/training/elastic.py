@@ -25,6 +25,7 @@ from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.reconstruct.recovery import CannotContinue, Member
 from deadpool_megatron.replay.ledger import MicrobatchLedger, ReductionBarrier
 from deadpool_megatron.replay.plan import MicrobatchWork
@@ -78,6 +79,7 @@ class GenerationThread:
         self.stops = _StopPoints()
         self._body, self._context = body, thread_context
         self._error: BaseException | None = None
+        self.error_text = ""
         self._thread = threading.Thread(target=self._target, name="deadpool-train",
                                         daemon=True)
 
@@ -86,7 +88,8 @@ class GenerationThread:
             with self._context():
                 self._body(self.stops)
         except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
-            self._error = err
+            self.error_text = traceback.format_exc()  # its frames are dropped (errors.py)
+            self._error = without_frames(err)
 
     def run(self, declared: threading.Event) -> None:
         """Return when training ends; raise its error, or GenerationBroken as soon as a
@@ -172,10 +175,6 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     from deadpool_megatron.topology import ParallelSizes
 
     world = int(os.environ["WORLD_SIZE"])
-    # Gloo groups connect their pairs at first use, not at creation: a generation creates
-    # some twenty Megatron groups it mostly never uses (expert, context-parallel...), and a
-    # full mesh for each took 170 ms of every recovery here (20 ms lazily).
-    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     try:
         if ctl.is_spare:
             warm_up_imports()
