@@ -54,6 +54,13 @@ class DeadPoolConfig:
                       "floating-point reassociation, and not the same dropout masks).",
                       choices=["local", "spread"]),
     )
+    deadpool_progress_timeout: float | None = field(
+        default=None,
+        metadata=flag("Seconds a rank may make no progress (outside a declared long operation, "
+                      "such as a durable save) before it counts as stalled; of the stalled "
+                      "ranks, the culprit is replaced. Default: 10 x the longest iteration "
+                      "seen, at least 20 s (300 s until an iteration completed)."),
+    )
     deadpool_audit_groups: bool = field(
         default=False,
         metadata=flag("After each recovery, check that no live object holds an old group."),
@@ -78,6 +85,9 @@ class DeadPoolConfig:
             raise ConfigError("--deadpool-snapshot-chunk-mb must be positive")
         if self.deadpool_snapshot_timeout <= 0:
             raise ConfigError("--deadpool-snapshot-timeout must be positive")
+        if self.deadpool_progress_timeout is not None and self.deadpool_progress_timeout <= 0:
+            raise ConfigError("--deadpool-progress-timeout must be positive (or left out for "
+                              "the default derived from the iteration time)")
         # Placement errors (single node, ranks per node not dividing) come from topology.
         from deadpool_megatron.faults.spec import parse_fault
         from deadpool_megatron.topology import buddy_map

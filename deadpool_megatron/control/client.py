@@ -1,11 +1,12 @@
-"""The worker side of the control plane: heartbeats, generation watch, assignments.
+"""The worker side of the control plane: generation watch, assignments, rendezvous.
 
 Declarations are pushed, not polled: a watcher thread blocks in the store's `wait` on the
 next generation's membership key and wakes the moment host 0 writes it (well under a
-millisecond here). Heartbeats are one write per period. So a worker costs the store a few
-requests a second, however many workers there are, and a loaded machine never delays a
-heartbeat behind a queue of polls. Every blocking call has a deadline and also watches for
-shutdown, so no worker waits forever on a job that has ended.
+millisecond here). A worker sends no heartbeat: its liveness is its process, which its
+host's launcher watches, and its progress is a shared-memory record that launcher reads
+(control/progress.py), so neither depends on a thread of the worker getting the GIL. Every
+blocking call has a deadline and also watches for shutdown, so no worker waits forever on a
+job that has ended.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ class JobShutdown(RuntimeError):
 class ControlClient:
     """One per worker process; built from the launcher's environment."""
 
-    def __init__(self, host: str, port: int, worker: str, heartbeat_s: float,
-                 timeout_s: float, epoch: int = 0) -> None:
+    def __init__(self, host: str, port: int, worker: str, timeout_s: float,
+                 epoch: int = 0) -> None:
         self.worker = worker
         self.epoch = epoch
         self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
         self.host, self.port = host, port
         self.store = self._connect()
         self._cond = threading.Condition()
@@ -47,12 +47,9 @@ class ControlClient:
         self._watch_gen = -1
         self._on_new_generation: Callable[[int], None] | None = None
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._beat, name="deadpool-heartbeat",
-                                          daemon=True),
-                         threading.Thread(target=self._watch_declarations,
-                                          name="deadpool-watch", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._watcher = threading.Thread(target=self._watch_declarations,
+                                         name="deadpool-watch", daemon=True)
+        self._watcher.start()
 
     @classmethod
     def from_env(cls) -> "ControlClient | None":
@@ -61,7 +58,6 @@ class ControlClient:
         if worker is None:
             return None
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), worker,
-                   float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.2")),
                    float(os.environ.get("DEADPOOL_CONTROL_TIMEOUT_S", "300")),
                    int(os.environ.get("DEADPOOL_EPOCH", "0")))
 
@@ -75,16 +71,7 @@ class ControlClient:
                               timeout=timedelta(seconds=self.timeout_s))
         return dist.PrefixStore(keys.epoch_prefix(self.epoch), store)
 
-    # -- background threads, each with its own connection ---------------------------------
-    def _beat(self) -> None:
-        store = self._connect()
-        while not self._stop.is_set():
-            try:
-                store.set(keys.heartbeat(self.worker), repr(time.time()))
-            except Exception:  # noqa: BLE001 - the launcher is gone: the job is over
-                return
-            self._stop.wait(self.heartbeat_s)
-
+    # -- the watcher thread, with its own connection ---------------------------------------
     def _watch_declarations(self) -> None:
         """Block on the next generation's membership key; on each declaration, record it and
         call the watcher (host 0 writes replaced, then members, then the generation)."""
@@ -123,7 +110,6 @@ class ControlClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._threads[0].join(timeout=2 * self.heartbeat_s + 1)
 
     # -- queries --------------------------------------------------------------------------
     def members(self, generation: int) -> dict[int, str]:

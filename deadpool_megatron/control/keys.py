@@ -24,10 +24,6 @@ def pg_prefix(generation: int) -> str:
     return f"dp/gen{generation}/pg/"
 
 
-def heartbeat(worker: str) -> str:
-    return f"dp/hb/{worker}"
-
-
 def failure_report(worker: str) -> str:
     return f"dp/failed/{worker}"
 
@@ -49,6 +45,10 @@ def kill_request(worker: str) -> str:
     return f"dp/kill/{worker}"  # host 0 asks the worker's host to SIGKILL it (hung)
 
 
+def host_report(node: int) -> str:
+    return f"dp/host/{node}"  # json {seq, workers: {id: progress view}}: heartbeat + progress
+
+
 def node_spares(node: int) -> str:
     return f"dp/node{node}/spares"  # json list of the spare ids that host started
 
@@ -56,6 +56,10 @@ def node_spares(node: int) -> str:
 # -- keys outside every epoch: the launchers' own lifecycle -----------------------------
 EPOCH = "launch/epoch"  # the current epoch (a whole-job restart opens the next)
 END = "launch/end"  # the job's exit status, set once by host 0
+
+
+def epoch_port(epoch: int) -> str:
+    return f"launch/port/{epoch}"  # without --deadpool: the store of that epoch's workers
 
 
 def epoch_prefix(epoch: int) -> str:

@@ -7,9 +7,10 @@ checkpoint interrupted mid-save is never picked up).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -63,11 +64,18 @@ def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -
                 entry["step"] = torch.tensor(step, dtype=entry["step"].dtype)
 
 
-class Checkpointer:
-    """Saves every --save-interval iterations and loads from --load."""
+LONG_OPERATION_S = 1800.0  # a save or load is not taken for a hang for this long
 
-    def __init__(self, cfg: TrainConfig) -> None:
+
+class Checkpointer:
+    """Saves every --save-interval iterations and loads from --load. Each save and load is
+    announced as a long operation (`long_operation(budget_s)`, e.g. to the progress board),
+    so a slow one is never mistaken for a hang."""
+
+    def __init__(self, cfg: TrainConfig,
+                 long_operation: Callable[[float], ContextManager] | None = None) -> None:
         self.cfg = cfg
+        self.long_operation = long_operation or (lambda budget_s: contextlib.nullcontext())
 
     def _sharded_state_dict(self, state: LoopState, is_loading: bool) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
@@ -90,6 +98,10 @@ class Checkpointer:
         }
 
     def save(self, state: LoopState) -> str:
+        with self.long_operation(LONG_OPERATION_S):
+            return self._save(state)
+
+    def _save(self, state: LoopState) -> str:
         from megatron.core import dist_checkpointing
 
         root = self.cfg.save
@@ -112,6 +124,10 @@ class Checkpointer:
 
     def load(self, state: LoopState) -> bool:
         """Restore from the newest checkpoint under --load; False if there is none."""
+        with self.long_operation(LONG_OPERATION_S):
+            return self._load(state)
+
+    def _load(self, state: LoopState) -> bool:
         from megatron.core import dist_checkpointing
 
         root = self.cfg.load

@@ -1,9 +1,11 @@
 """Host 0's control plane for one epoch: see failures anywhere, declare each generation.
 
-Failures arrive as exit reports from every host's launcher (launch/workers.py) or as
-missed heartbeats (a hung worker, or a whole host gone with its launcher). Failures within
---failure-window become one declaration: new membership, spares assigned, generation
-bumped; every worker watches that key.
+Failures arrive three ways, from the reports every host's launcher writes
+(launch/workers.py): a worker's exit (with what it said of its own error); a hang, when a
+worker's progress stalls (control/hang.py finds the culprit among the stalled ranks); a
+host gone with its launcher, when that host's reports stop for --heartbeat-timeout.
+Failures within --failure-window become one declaration: new membership, spares assigned,
+generation bumped; every worker watches that key.
 """
 
 from __future__ import annotations
@@ -15,16 +17,16 @@ import time
 import torch.distributed as dist
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
 from deadpool_megatron.control.policy import RecoveryImpossible, assign_spares, check_recoverable
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.topology import buddy_of, ward_of
 
 log = logging.getLogger("deadpool_megatron.launch")
-HEARTBEAT_SCAN_S = 0.1
-# Workers killed together (a lost host) miss their timeouts up to one heartbeat period
-# (0.2 s) plus one scan apart: gather heartbeat losses this long into one declaration.
-HEARTBEAT_GATHER_S = 0.5
+HOST_SCAN_S = 0.1
+# Gather failures found by a scan (hangs, lost hosts) this long into one declaration.
+SCAN_GATHER_S = 0.3
 
 
 def host_of(worker: str, nproc_per_node: int) -> int:
@@ -42,21 +44,24 @@ class EpochEnded(Exception):
 
 class Coordinator:
     def __init__(self, cfg: LaunchConfig, store: dist.Store, ranks_per_node: int,
-                 allow_same_node: bool, events: EventLog) -> None:
+                 allow_same_node: bool, events: EventLog, hot_swap: bool = True) -> None:
         self.cfg, self.store, self.events = cfg, store, events
+        self.hot_swap = hot_swap  # the workers run --deadpool
         self.world = cfg.world_size
         self.rpn, self.allow_same_node = ranks_per_node, allow_same_node
         self.generation = 0
         self.current = {r: f"w{r}" for r in range(self.world)}
         self.spares: list[str] = []
         self.hosts_seen: dict[int, list[str]] = {}  # host -> its workers (ranks, spares)
-        self.silent: set[str] = set()  # lost by missed heartbeats
-        self.gone: set[str] = set()  # exited, or declared lost by heartbeat
+        self.lost_hosts: set[int] = set()  # their reports stopped
+        self.gone: set[str] = set()  # exited, or declared lost (hung, or its host lost)
         self.failed: set[str] = set()
+        self.finished: set[str] = set()  # exited 0: done
+        self.declared_at = time.monotonic()  # when the current generation was declared
         self.declare_at = 0.0
         self._exits_seen = 0
         self._next_scan = 0.0
-        self._beats: dict[str, tuple[bytes, float]] = {}
+        self._host_seq: dict[int, tuple[int, float]] = {}  # host -> (report seq, seen at)
         self._join_deadline = time.monotonic() + cfg.join_timeout
 
     def open(self) -> None:
@@ -72,13 +77,18 @@ class Coordinator:
             for worker in [*self.current.values(), *self.spares]:
                 if worker not in self.gone and self.store.check([keys.exit_report(worker)]):
                     rc = int(self.store.get(keys.exit_report(worker)))
+                    if rc == 0:  # finished, with or without --deadpool: never a failure
+                        self.gone.add(worker)
+                        self.finished.add(worker)
+                        continue
                     self._lost(worker, now, how="exit", returncode=rc)
-            if all(w in self.gone and self._done(w) for w in self.current.values()):
+            if all(w in self.finished or w in self.gone and self._done(w)
+                   for w in self.current.values()):
                 self.store.set(keys.SHUTDOWN, "done")
                 raise EpochEnded(0, "done")
         if now >= self._next_scan:
-            self._next_scan = now + HEARTBEAT_SCAN_S
-            self._scan_heartbeats(now)
+            self._next_scan = now + HOST_SCAN_S
+            self._scan_hosts(now)
         if self.failed and now >= self.declare_at:
             self._declare()
 
@@ -100,14 +110,14 @@ class Coordinator:
                                 f"per host with --master-addr/--master-port of host 0")
 
     def live_hosts(self) -> set[int]:
-        """Hosts that joined and did not fall silent as a whole (a lost host)."""
-        return {h for h, workers in self.hosts_seen.items()
-                if not all(w in self.silent for w in workers)}
+        """Hosts that joined and were not lost as a whole."""
+        return set(self.hosts_seen) - self.lost_hosts
 
     def _done(self, worker: str) -> bool:
         return self.store.check([keys.done(worker)])
 
-    def _lost(self, worker: str, now: float, how: str, returncode: int | None = None) -> None:
+    def _lost(self, worker: str, now: float, how: str, returncode: int | None = None,
+              detail: str = "", stalled_s: float = 0.0) -> None:
         self.gone.add(worker)
         if worker in self.spares:
             self.spares.remove(worker)
@@ -118,40 +128,95 @@ class Coordinator:
         if rank is None or (how == "exit" and self._done(worker)):
             return
         gather = self.cfg.failure_window if how == "exit" else max(self.cfg.failure_window,
-                                                                   HEARTBEAT_GATHER_S)
+                                                                   SCAN_GATHER_S)
         self.declare_at = max(self.declare_at if self.failed else 0.0, now + gather)
         self.failed.add(worker)
+        reason = self._reported(worker) or detail
         self.events.emit("failure_detected", worker=worker, rank=rank, returncode=returncode,
-                         how=how)
-        log.warning("deadpool-launch: rank %d (worker %s on host %d) %s", rank, worker,
+                         how=how, reason=reason, stalled_s=stalled_s)
+        log.warning("deadpool-launch: rank %d (worker %s on host %d) %s%s", rank, worker,
                     host_of(worker, self.cfg.nproc_per_node),
-                    f"exited with {returncode}" if how == "exit" else
-                    f"missed heartbeats for {self.cfg.heartbeat_timeout:.1f} s")
+                    {"exit": f"exited with {returncode}", "hang": "is hung",
+                     "host": f"was lost with its host (no report for "
+                             f"{self.cfg.heartbeat_timeout:.1f} s)"}[how],
+                    f": {reason.splitlines()[0][:300]}" if reason else "")
 
-    def _scan_heartbeats(self, now: float) -> None:
-        """A worker whose heartbeat stops is lost (hung, or its host is gone): declare it
-        and ask its host to kill it, in case that host still lives. One multi_get reads
-        every known heartbeat."""
-        watched = [w for w in [*self.current.values(), *self.spares] if w not in self.gone]
-        for worker in watched:
-            if worker not in self._beats and self.store.check([keys.heartbeat(worker)]):
-                self._beats[worker] = (b"", now)
-        known = [w for w in watched if w in self._beats]
-        if not known:
+    def _reported(self, worker: str) -> str:
+        """What the worker said of its own failure before leaving (empty if nothing)."""
+        key = keys.failure_report(worker)
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+
+    def _scan_hosts(self, now: float) -> None:
+        """One read of every host's report: a host whose reports stopped is lost with its
+        workers; the members' progress goes to the hang analysis."""
+        hosts = [h for h in sorted(self.hosts_seen) if h not in self.lost_hosts
+                 and self.store.check([keys.host_report(h)])]
+        if not hosts:
             return
-        beats = self.store.multi_get([keys.heartbeat(w) for w in known])
-        for worker, beat in zip(known, beats):
-            last_beat, since = self._beats[worker]
-            if beat != last_beat:
-                self._beats[worker] = (beat, now)
-            elif now - since > self.cfg.heartbeat_timeout and not self._done(worker):
-                self.store.set(keys.kill_request(worker), "hung")
-                self.store.add(keys.KILLS, 1)
-                self.silent.add(worker)
-                self._lost(worker, now, how="heartbeat")
+        views = []
+        members = set(self.current.values())
+        for host, raw in zip(hosts, self.store.multi_get([keys.host_report(h) for h in hosts])):
+            report = json.loads(raw)
+            seq, since = self._host_seq.get(host, (-1, now))
+            if report["seq"] != seq:
+                self._host_seq[host] = (report["seq"], now)
+            elif now - since > self.cfg.heartbeat_timeout:
+                self._lose_host(host, now)
+                continue
+            for worker, v in report["workers"].items():
+                if worker in members and worker not in self.gone and not self._done(worker):
+                    views.append(WorkerView(
+                        worker=worker, generation=v["g"], counter=v["c"],
+                        stalled_s=self._stalled_s(v, now),
+                        timeout_s=hang_timeout(v["to"], v["itn"]), monitor_age_s=v["mon"],
+                        where=v["wh"], long_operation=v["long"], os_state=v["os"],
+                        phase=v["ph"]))
+        if self.failed:
+            return  # a declaration is due: the stalls it explains end with it
+        verdict = find_hung(views)
+        if verdict is None:
+            return
+        self.events.emit("hang_localized", culprits=list(verdict.culprits),
+                         certain=verdict.certain, stalled=list(verdict.stalled),
+                         why=verdict.why)
+        if not verdict.certain:
+            log.warning("deadpool-launch: every stalled rank waits in a collective; the "
+                        "culprit cannot be told: replacing the ranks furthest behind, %s",
+                        list(verdict.culprits))
+        stalls = {v.worker: v.stalled_s for v in views}
+        for worker in verdict.culprits:
+            self._kill(worker, f"hung: {verdict.why[worker]}")
+            self._lost(worker, now, how="hang", detail=verdict.why[worker],
+                       stalled_s=stalls[worker])
+
+    def _stalled_s(self, view: dict, now: float) -> float:
+        """How long a worker has made no progress. A worker still in an older generation
+        has had only since the newest declaration to move on: waiting for that declaration
+        was not its stall."""
+        stalled = view["st"]
+        if view["g"] < self.generation:
+            stalled = min(stalled, now - self.declared_at)
+        return stalled
+
+    def _lose_host(self, host: int, now: float) -> None:
+        """A host's reports stopped: its launcher and workers are gone (or cut off)."""
+        self.lost_hosts.add(host)
+        for worker in self.hosts_seen[host]:
+            if worker not in self.gone and not self._done(worker):
+                self._kill(worker, "its host stopped reporting")
+                self._lost(worker, now, how="host")
+
+    def _kill(self, worker: str, why: str) -> None:
+        """Ask the worker's host to kill it (if that host still lives)."""
+        self.store.set(keys.kill_request(worker), why)
+        self.store.add(keys.KILLS, 1)
 
     def _declare(self) -> None:
         failed_ranks = {r for r, w in self.current.items() if w in self.failed}
+        if not self.hot_swap:
+            raise EpochEnded(3, f"generation {self.generation}: ranks {sorted(failed_ranks)} "
+                                f"failed and the training script runs without --deadpool "
+                                f"(no hot-swap)")
         try:
             check_recoverable(self.generation, failed_ranks, self.world, self.rpn,
                               self.allow_same_node)
@@ -171,6 +236,7 @@ class Coordinator:
         log.warning("deadpool-launch: generation %d: ranks %s failed; spares %s take their "
                     "places", plan.generation, sorted(failed_ranks), plan.replaced)
         self.generation, self.current = plan.generation, plan.rank_to_worker
+        self.declared_at = time.monotonic()
         self.spares = [s for s in self.spares if s not in plan.replaced.values()]
         self.failed.clear()
 

@@ -52,6 +52,10 @@ class Launcher:
         rpn = _flag_value(script_args, "--deadpool-ranks-per-node")
         self.ranks_per_node = int(rpn) if rpn else cfg.nproc_per_node // cfg.logical_nodes
         self.allow_same_node = "--deadpool-allow-same-node-buddy" in script_args
+        # Without --deadpool the workers cannot hot-swap: run as torchrun would (a failure
+        # restarts every worker from --save, or ends the job).
+        self.hot_swap = "--deadpool" in script_args
+        self._epoch_store: dist.TCPStore | None = None  # host 0, without --deadpool
         self.save_dir = _flag_value(script_args, "--save")
         self.root: dist.TCPStore | None = None
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
@@ -77,8 +81,23 @@ class Launcher:
 
     def _workers(self, epoch: int) -> LocalWorkers:
         store = dist.PrefixStore(keys.epoch_prefix(epoch), self.root)
-        return LocalWorkers(self.cfg, self._cmd(epoch), store, self.root.port,
+        return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
                             self.ranks_per_node, epoch)
+
+    def _worker_port(self, epoch: int) -> int:
+        """The store port the workers rendezvous on. With --deadpool, the control plane's
+        (every key of an epoch lives under its prefix). Without, torch's own env://
+        rendezvous keeps its keys at the root of the store, so each epoch (a restart from
+        the checkpoint) gets a store of its own, as torchrun starts one per restart."""
+        if self.hot_swap:
+            return self.root.port
+        if self.cfg.node_rank == 0:
+            self._epoch_store = dist.TCPStore(self.cfg.master_addr, 0, is_master=True,
+                                              wait_for_workers=False,
+                                              timeout=timedelta(seconds=60))
+            self.root.set(keys.epoch_port(epoch), str(self._epoch_store.port))
+            return self._epoch_store.port
+        return int(self.root.get(keys.epoch_port(epoch)))
 
     def run(self) -> int:
         cfg = self.cfg
@@ -126,7 +145,7 @@ class Launcher:
         cfg = self.cfg
         workers = self._workers(epoch)
         coordinator = Coordinator(cfg, workers.store, self.ranks_per_node,
-                                  self.allow_same_node, events)
+                                  self.allow_same_node, events, self.hot_swap)
         coordinator.open()
         self.root.set(keys.EPOCH, str(epoch))  # the other hosts start their workers now
         spares = workers.start()
@@ -210,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = from_namespace(LaunchConfig, ns)
     try:
         cfg.validate()
+        if cfg.spares and "--deadpool" not in ns.script_args:
+            raise LaunchError(f"--spares {cfg.spares} needs --deadpool on the training script "
+                              f"(spares take failed ranks only with hot-swap); add --deadpool "
+                              f"or launch with --spares 0")
     except LaunchError as err:
         parser.error(str(err))  # exit status 2, like every other bad flag
     return Launcher(cfg, ns.script, ns.script_args).run()

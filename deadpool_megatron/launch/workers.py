@@ -1,8 +1,12 @@
-"""One host's worker processes for one epoch: start, report exits, obey kill requests, stop.
+"""One host's worker processes for one epoch: start, report exits and progress, obey kill
+requests, stop.
 
 Every host's launcher runs this (host 0's too), so a worker's exit reaches the control
 plane the same way wherever it ran: an exit report in the store plus a bumped counter
-that host 0 watches (one read per tick, however many workers there are).
+that host 0 watches (one read per tick, however many workers there are). Each worker's
+progress record (control/progress.py) is read here, outside the worker's process, and
+published with the host's report every REPORT_S: the host's heartbeat and the matter of
+host 0's hang analysis (control/hang.py).
 """
 
 from __future__ import annotations
@@ -10,17 +14,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from typing import Sequence
 
 import torch.distributed as dist
 
-from deadpool_megatron.control import keys
+from deadpool_megatron.control import keys, progress
 from deadpool_megatron.launch.config import LaunchConfig
 
 log = logging.getLogger("deadpool_megatron.launch")
+REPORT_S = 0.2  # how often a host publishes its workers' progress (its heartbeat)
+DUMP_BEFORE_KILL_S = 0.3  # a hung worker prints its stacks (SIGUSR1) this long before SIGKILL
 
 
 def spare_ids(node: int, count: int) -> list[str]:
@@ -38,14 +46,19 @@ class LocalWorkers:
         self.procs: dict[str, subprocess.Popen] = {}
         self.reported: set[str] = set()
         self._kills_seen = 0
+        self._kill_at: dict[str, float] = {}
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.progress_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
+        self._seq = 0
+        self._next_report = 0.0
 
     def _env(self, worker: str, rank: int | None, slot: int) -> dict[str, str]:
         env = {**os.environ, "MASTER_ADDR": self.cfg.master_addr,
                "MASTER_PORT": str(self.master_port), "WORLD_SIZE": str(self.cfg.world_size),
                "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "GROUP_RANK": str(self.cfg.node_rank),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "DEADPOOL_WORKER_ID": worker,
-               "DEADPOOL_HEARTBEAT_TIMEOUT_S": str(self.cfg.heartbeat_timeout),
-               "DEADPOOL_EPOCH": str(self.epoch),
+               progress.ENV: os.path.join(self.progress_dir, worker),
+               "DEADPOOL_EPOCH": str(self.epoch), "DEADPOOL_LAUNCHER_PID": str(os.getpid()),
                # A spare keeps the device it was started on, whatever rank it takes.
                "DEADPOOL_DEVICE_SLOT": str(slot), "LOCAL_RANK": str(slot)}
         if rank is not None:
@@ -75,7 +88,8 @@ class LocalWorkers:
         self.procs[worker] = proc
 
     def poll(self) -> None:
-        """Report new exits; SIGKILL the workers host 0 asked to kill."""
+        """Report new exits and, every REPORT_S, progress; kill the workers host 0 asked to
+        kill (a stack dump first, into the job's log)."""
         for worker, proc in self.procs.items():
             if worker not in self.reported and proc.poll() is not None:
                 self.reported.add(worker)
@@ -85,9 +99,40 @@ class LocalWorkers:
         if kills != self._kills_seen:
             self._kills_seen = kills
             for worker, proc in self.procs.items():
-                if proc.poll() is None and self.store.check([keys.kill_request(worker)]):
-                    log.warning("deadpool-launch: killing worker %s (asked by host 0)", worker)
-                    proc.kill()
+                if proc.poll() is None and worker not in self._kill_at \
+                        and self.store.check([keys.kill_request(worker)]):
+                    log.warning("deadpool-launch: killing worker %s (asked by host 0: %s)",
+                                worker, self.store.get(keys.kill_request(worker)).decode())
+                    proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack
+                    self._kill_at[worker] = time.monotonic() + DUMP_BEFORE_KILL_S
+        now = time.monotonic()
+        for worker, at in list(self._kill_at.items()):
+            if now >= at:
+                self.procs[worker].kill()
+                del self._kill_at[worker]
+        if now >= self._next_report:
+            self._next_report = now + REPORT_S
+            self._seq += 1
+            self.store.set(keys.host_report(self.cfg.node_rank),
+                           json.dumps({"seq": self._seq, "workers": self.views()}))
+
+    def views(self) -> dict[str, dict]:
+        """What host 0's hang analysis needs of each live worker (control/hang.py)."""
+        now = progress.now_ns()
+        out = {}
+        for worker, proc in self.procs.items():
+            if proc.poll() is not None:
+                continue
+            rec = progress.read(os.path.join(self.progress_dir, worker))
+            if rec is None or rec.counter == 0:
+                continue  # not started training yet (a waiting spare)
+            out[worker] = {"g": rec.generation, "c": rec.counter, "it": rec.iteration,
+                           "ph": rec.phase_name, "st": (now - rec.stamp_ns) / 1e9,
+                           "mon": (now - rec.monitor_ns) / 1e9 if rec.monitor_ns else 0.0,
+                           "wh": rec.where, "long": rec.long_until_ns > now,
+                           "to": rec.timeout_ns / 1e9, "itn": rec.iteration_ns / 1e9,
+                           "os": _os_state(proc.pid)}
+        return out
 
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs.values())
@@ -101,3 +146,13 @@ class LocalWorkers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=10)
+        shutil.rmtree(self.progress_dir, ignore_errors=True)
+
+
+def _os_state(pid: int) -> str:
+    """The /proc state letter of a process (R running, S sleeping, T stopped, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"

@@ -52,18 +52,24 @@ class Timeline:
 
 def timelines(events: list[dict]) -> list[Timeline]:
     out = []
-    for decl in (e for e in events if e["event"] == "generation_declared"):
+    declarations = [e for e in events if e["event"] == "generation_declared"]
+    for i, decl in enumerate(declarations):
         gen = decl["generation"]
         failed = tuple(decl["failed_ranks"])
-        faults = [e for e in events if e["event"] == "fault_injected" and e["t"] <= decl["t"]
-                  and e["rank"] in failed]
+        since = declarations[i - 1]["t"] if i else 0.0  # the previous declaration
+        # When the failure struck: an injected fault, or a rank's own error as it left.
+        faults = [e for e in events if e["event"] in ("fault_injected", "rank_failed")
+                  and since < e["t"] <= decl["t"] and e["rank"] in failed]
         detected = [e for e in events if e["event"] == "failure_detected"
-                    and e["t"] <= decl["t"]]
-        if not faults or not detected:
+                    and since < e["t"] <= decl["t"]]
+        if not detected:
             continue
-        t0 = min(e["t"] for e in faults)
-        failed_iteration = min(e["iteration"] for e in faults) if faults[0].get(
-            "iteration") is not None else None
+        # Without a fault event (a hang found by the progress analysis), the failure
+        # struck when the culprit's progress stopped.
+        t0 = min(e["t"] for e in faults) if faults else \
+            min(e["t"] - e.get("stalled_s", 0.0) for e in detected)
+        failed_iteration = min((e["iteration"] for e in faults if "iteration" in e),
+                               default=None)
 
         def last(kind: str, **match: object) -> float:
             ts = [e["t"] for e in events if e["event"] == kind and e["t"] >= t0

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState
@@ -89,6 +90,7 @@ class Member:
     # the ledger describes); False for a spare before its restore, or mid-restore
     registry: dict[GroupKey, Any] = field(default_factory=dict)  # groups the objects hold
     retired_groups: list[Any] = field(default_factory=list)  # for --deadpool-audit-groups
+    progress: ProgressBoard | None = None  # what this rank's launcher reads of its progress
     identity: list[tuple[int, int]] = field(default_factory=list)  # params at first build
     start_iteration: int | None = None  # where this job's training began (after --load)
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
@@ -105,6 +107,17 @@ class Member:
         rpn = self.ft.ranks_per_node(self.world)
         return [buddy_of(r, self.world, rpn, self.ft.deadpool_allow_same_node_buddy)
                 for r in range(self.world)]
+
+    def checkpointer(self) -> Any:
+        from deadpool_megatron.integration.checkpoint import Checkpointer
+
+        return Checkpointer(self.cfg, self.progress.long_operation if self.progress else None)
+
+    def stamp(self, phase: str) -> None:
+        """Progress of the main thread (recovery steps), for the hang analysis."""
+        if self.progress is not None:
+            self.progress.set_generation(self.generation)
+            self.progress.stamp(phase, self.state.iteration if self.state else 0)
 
     def remember_identity(self) -> None:
         self.identity = _param_identity(self.state.objects)
@@ -134,7 +147,6 @@ def build_fresh(member: Member) -> None:
     """Every rank builds its objects together, as at the job's start (seeded random
     initialisation, or the --load checkpoint): the start of generation 0, and a recovery
     before any snapshot existed anywhere (nothing was trained: the start is reproduced)."""
-    from deadpool_megatron.integration.checkpoint import Checkpointer
     from deadpool_megatron.integration.distributed import set_seeds
     from deadpool_megatron.integration.model import build_training_objects
 
@@ -144,7 +156,7 @@ def build_fresh(member: Member) -> None:
     member.state = LoopState(iteration=0, consumed_samples=0,
                              objects=build_training_objects(member.cfg, member.cpu_rehearsal))
     if member.cfg.load:
-        Checkpointer(member.cfg).load(member.state)
+        member.checkpointer().load(member.state)
     member.start_iteration = member.state.iteration
     member.engine.attach(member.state.objects)
     member.state_valid = True
@@ -168,8 +180,10 @@ def leave(member: Member, training: StoppableThread | None) -> int:
         member.registry = group_registry()
     member.retired_groups += list(member.registry.values())
     laps("declared")
+    member.stamp("recovery")
     stopped, severed = _stop_training(member, training, lost_replica)
     laps("stopped")
+    member.stamp("recovery")
     pipe = member.engine.leave()
     severed += sever_connections({ctl.port})
     laps("severed")
@@ -339,12 +353,15 @@ def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = Non
 
     while not rejoin(member, generation, lap):
         generation = member.ctl.wait_generation_after(generation)
+    member.stamp("recovery")
     t_groups = time.perf_counter()
     member.injector.fire("recovery", generation)
     references = rebind(member)
     lap("rebind")
+    member.stamp("recovery")
     plan = restore(member)
     lap("restore")
+    member.stamp("recovery")
     _release_in_background(member)
     memory = peak.stop() if peak is not None else {}
     rank = member.rank

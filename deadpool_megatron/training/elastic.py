@@ -20,8 +20,10 @@ from typing import Callable, ContextManager
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control.client import ControlClient, JobShutdown
+from deadpool_megatron.control.failures import caused_by_a_peer
+from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.control.policy import RecoveryImpossible
-from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
+from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.events import EventLog
@@ -149,22 +151,24 @@ def _reduction_barrier() -> Callable[[], None] | None:
 
 def _train(member: Member, dataset: object, finish: Callable[[LoopState], None],
            work: dict[int, MicrobatchWork], stops: TrainingHooks) -> None:
-    from deadpool_megatron.integration.checkpoint import Checkpointer
     from deadpool_megatron.training.loop import train
 
     hooks: list[TrainingHooks] = [member.ledger, stops, member.injector.hooks(), member.engine]
+    if member.progress is not None:
+        hooks.insert(0, member.progress.hooks())
     barrier = _reduction_barrier()
     if barrier is not None:
         hooks.append(ReductionBarrier(barrier))
     hooks.append(_IterationEvents(member, max(work) if work else None))
-    train(member.cfg, dataset, member.state, hooks=hooks, checkpointer=Checkpointer(member.cfg),
+    train(member.cfg, dataset, member.state, hooks=hooks, checkpointer=member.checkpointer(),
           replay=work)
     finish(member.state)
 
 
 def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
                 cpu_rehearsal: bool, finish: Callable[[LoopState], None],
-                thread_context: Callable[[], ContextManager]) -> int:
+                thread_context: Callable[[], ContextManager],
+                progress: ProgressBoard | None = None) -> int:
     from deadpool_megatron.faults.spec import parse_fault, target_ranks
     from deadpool_megatron.integration.distributed import destroy_process_groups
     from deadpool_megatron.reconstruct.groups import join_generation
@@ -201,7 +205,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                     cpu_rehearsal=cpu_rehearsal, events=events,
                     engine=SnapshotEngine(cfg, ft, injector, events),
                     ledger=MicrobatchLedger(), injector=injector, dataset=dataset,
-                    generation=generation)
+                    generation=generation, progress=progress)
     if ctl.is_spare:
         member.megatron_globals = megatron_globals
     work: dict[int, MicrobatchWork] = {}
@@ -238,10 +242,12 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         except JobShutdown as end:
             log.error("rank %d: job ended by the launcher: %s", rank, end)
             return 1
-        except (RecoveryImpossible, InjectedFault, CannotContinue) as err:
+        except (RecoveryImpossible, CannotContinue) as err:
             return _leave_job(member, err)
-        except Exception as err:  # noqa: BLE001 - a peer failed: recover
+        except Exception as err:  # noqa: BLE001 - a peer's failure, or this rank's own
             ctl.unwatch()
+            if not caused_by_a_peer(err):
+                return _leave_job(member, err, training.error_text)
             work = _recover(member, training, err)
 
 
@@ -258,18 +264,25 @@ def _recover(member: Member, training: GenerationThread | None,
         except (JobShutdown, TimeoutError) as end:
             log.error("rank %d: no recovery: %s", member.rank, end)
             _exit(1)
-        except (RecoveryImpossible, InjectedFault, CannotContinue) as fatal:
+        except (RecoveryImpossible, CannotContinue) as fatal:
             _exit(_leave_job(member, fatal))
         except Exception as again:  # noqa: BLE001 - a failure during recovery
-            err, training = again, None
+            if not caused_by_a_peer(again):
+                _exit(_leave_job(member, again, traceback.format_exc()))
+            err, training = without_frames(again), None
 
 
-def _leave_job(member: Member, err: BaseException) -> int:
-    """This rank cannot go on: say why and leave; the launcher sees the exit."""
+def _leave_job(member: Member, err: BaseException, details: str = "") -> int:
+    """This rank cannot go on (its own error, or it cannot take part): say why, with the
+    traceback, and leave at once; the launcher sees the exit and a spare replaces it."""
     from deadpool_megatron.reconstruct.groups import leave_generation
 
-    log.error("rank %d: leaving the job: %s", member.rank, err)
-    member.ctl.report_failure(str(err))
+    reason = f"{type(err).__name__}: {err}"
+    log.error("rank %d: leaving the job: %s%s", member.rank, reason,
+              f"\n{details.rstrip()}" if details else "")
+    member.ctl.report_failure(reason[:2000])
+    running = member.ledger.entry.iteration if member.ledger.entry is not None else None
+    member.events.emit("rank_failed", reason=reason[:300], iteration=running)
     leave_generation()
     return 3 if isinstance(err, RecoveryImpossible) else 1
 

@@ -31,6 +31,9 @@ def _setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from deadpool_megatron.launch.child import die_with_launcher
+
+    die_with_launcher()
     _setup_logging()
     cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], argv, prog="pretrain_gpt.py")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cpu_rehearsal = rehearsal_needed(cfg.distributed_backend)
     prepare_megatron_import(cpu_rehearsal)
+    from deadpool_megatron.testing.megatron_faults import install_from_env
+
+    install_from_env()  # tests only: a failure raised inside Megatron-Core itself
     rehearsal = CpuRehearsal() if cpu_rehearsal else None
     with rehearsal or contextlib.nullcontext():
         if ctl is not None:
@@ -60,12 +66,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
                  thread_context) -> int:
+    from deadpool_megatron.control.progress import ProgressBoard
     from deadpool_megatron.integration.data import build_train_dataset
     from deadpool_megatron.training.elastic import run_elastic
 
+    progress = ProgressBoard.from_env(ft.deadpool_progress_timeout)
+    if progress is not None:
+        progress.start_monitor()
     dataset = build_train_dataset(cfg, cfg.train_iters * cfg.global_batch_size)
     rc = run_elastic(cfg, ft, ctl, dataset, cpu_rehearsal, finish=_finish,
-                     thread_context=thread_context)
+                     thread_context=thread_context, progress=progress)
     ctl.close()
     # Threads of broken generations may still sit in gloo; their groups' destructors would
     # block interpreter shutdown, so leave now that everything is flushed.

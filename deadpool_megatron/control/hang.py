@@ -1,0 +1,91 @@
+"""Which ranks are hung, and which of them is the culprit. Pure, over plain data (each
+host's launcher reports its workers; host 0 decides), so it is tested at 100,000 ranks.
+
+A rank is stalled when its progress counter has not moved for its timeout, outside a long
+operation it declared (a durable save). In a hang most ranks stall: the culprit, stuck in
+a kernel, a deadlock or a frozen process, and its victims, waiting in a collective for it.
+The culprits are the stalled ranks that are not waiting in a collective: stopped by the
+OS, unable to run Python for a while (a C call holding the GIL), or seen by their monitor
+running elsewhere than a collective. Only those are replaced. When every stalled rank waits
+in a collective the culprit cannot be told; the ranks furthest behind (fewest progress
+stamps in the newest generation) surely include it, and the verdict says it is a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deadpool_megatron.control.progress import IN_COLLECTIVE, NOWHERE, RUNNING
+
+FLOOR_S = 20.0  # the derived timeout is never shorter
+ITERATIONS = 10.0  # ... nor shorter than this many of the longest iteration seen
+BEFORE_FIRST_ITERATION_S = 300.0  # until one iteration completed (imports, first build)
+MONITOR_STALE_S = 2.0  # a monitor silent this long: the process cannot run Python
+STOPPED = "T"  # /proc state of a stopped process (SIGSTOP, a debugger)
+
+
+def hang_timeout(configured_s: float, iteration_s: float) -> float:
+    """--deadpool-progress-timeout if given (>0), else derived from the iteration time."""
+    if configured_s > 0:
+        return configured_s
+    if iteration_s <= 0:
+        return BEFORE_FIRST_ITERATION_S
+    return max(FLOOR_S, ITERATIONS * iteration_s)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as its host's launcher sees it."""
+
+    worker: str
+    generation: int
+    counter: int
+    stalled_s: float  # since its progress counter last moved
+    timeout_s: float
+    monitor_age_s: float  # since its monitor thread last looked
+    where: int  # progress.RUNNING, IN_COLLECTIVE, NOWHERE
+    long_operation: bool
+    os_state: str  # /proc state letter ("R", "S", "T", ...)
+    phase: str = ""
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_s > self.timeout_s and not self.long_operation \
+            and self.phase != "done"
+
+    @property
+    def why(self) -> str:
+        """Why this stalled rank looks like the culprit ('' if it looks like a victim)."""
+        if self.os_state == STOPPED:
+            return "stopped by a signal"
+        if self.monitor_age_s > MONITOR_STALE_S:
+            return f"runs no Python for {self.monitor_age_s:.0f} s (a call holding the GIL)"
+        if self.where == RUNNING:
+            return "blocked outside any collective"
+        return ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    culprits: tuple[str, ...]
+    certain: bool  # False: the culprit could not be told; these surely include it
+    stalled: tuple[str, ...]
+    why: dict[str, str]
+
+
+def find_hung(views: list[WorkerView]) -> Verdict | None:
+    """None while no rank is stalled."""
+    stalled = [v for v in views if v.stalled]
+    if not stalled:
+        return None
+    culprits = [v for v in stalled if v.why]
+    certain = bool(culprits)
+    if not culprits:
+        waiting = [v for v in stalled if v.where in (IN_COLLECTIVE, NOWHERE)]
+        newest = max(v.generation for v in waiting)
+        behind = min(v.counter for v in waiting if v.generation == newest)
+        culprits = [v for v in waiting if v.generation == newest and v.counter == behind]
+    return Verdict(culprits=tuple(v.worker for v in culprits), certain=certain,
+                   stalled=tuple(v.worker for v in stalled),
+                   why={v.worker: v.why or "furthest behind, waiting in a collective"
+                        for v in culprits})

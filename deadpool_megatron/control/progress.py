@@ -1,0 +1,181 @@
+"""Each worker's progress, in a small shared-memory record its host's launcher reads.
+
+A hang is no progress, not a dead heartbeat: a training thread blocked in a kernel or a
+deadlock leaves its process (and any heartbeat thread) alive; a rank holding the GIL in a
+long C call starves every thread of its process, a heartbeat thread too. So the training
+loop stamps its progress at every hook point (a counter, the iteration, the phase), a
+monitor thread stamps where the training thread is (in a collective, or elsewhere), and
+the launcher, another process, reads both: no GIL of the worker's can delay it.
+
+A record is eleven 64-bit integers in a file the launcher names (tmpfs where there is one),
+written with single aligned stores; readers take each field as last written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from deadpool_megatron.hooks import LoopState, TrainingHooks
+
+FIELDS = ("counter", "iteration", "phase", "stamp_ns", "long_until_ns", "monitor_ns",
+          "where", "iteration_ns", "timeout_ns", "pid", "generation")
+FORMAT = struct.Struct("<" + "q" * len(FIELDS))
+PHASES = ("start", "forward", "microbatch", "backward", "reduction", "step", "iteration",
+          "recovery", "done")
+# Where the monitor last saw the training thread.
+NOWHERE, RUNNING, IN_COLLECTIVE = 0, 1, 2
+COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,)
+
+ENV = "DEADPOOL_PROGRESS_FILE"
+
+
+def now_ns() -> int:
+    """CLOCK_MONOTONIC: one clock for every process of a host."""
+    return time.monotonic_ns()
+
+
+@dataclass(frozen=True)
+class Progress:
+    counter: int
+    iteration: int
+    phase: int
+    stamp_ns: int  # when the counter last moved
+    long_until_ns: int  # inside a declared long operation until then (0: none)
+    monitor_ns: int  # when the monitor thread last looked (it needs the GIL)
+    where: int
+    iteration_ns: int  # the longest iteration so far (0: none completed)
+    timeout_ns: int  # no progress for this long is a hang (0: the launcher's default)
+    pid: int
+    generation: int
+
+    @property
+    def phase_name(self) -> str:
+        return PHASES[self.phase] if 0 <= self.phase < len(PHASES) else "?"
+
+
+def read(path: str) -> Progress | None:
+    """The record at `path` (None before the worker created it)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(FORMAT.size)
+    except OSError:
+        return None
+    if len(data) < FORMAT.size:
+        return None
+    return Progress(*FORMAT.unpack(data))
+
+
+class ProgressBoard:
+    """The worker's side: owns its record; a hook stamps it at every point of the loop."""
+
+    def __init__(self, path: str, timeout_s: float | None) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, FORMAT.size)
+            self._map = mmap.mmap(fd, FORMAT.size)
+        finally:
+            os.close(fd)
+        self._index = {name: i * 8 for i, name in enumerate(FIELDS)}
+        self._counter = 0
+        self._set(pid=os.getpid(), timeout_ns=int((timeout_s or 0) * 1e9))
+        self.training_thread: int | None = None
+        self._stop = threading.Event()
+
+    @classmethod
+    def from_env(cls, timeout_s: float | None) -> "ProgressBoard | None":
+        path = os.environ.get(ENV)
+        return cls(path, timeout_s) if path else None
+
+    def _set(self, **fields: int) -> None:
+        for name, value in fields.items():
+            struct.pack_into("<q", self._map, self._index[name], value)
+
+    def stamp(self, phase: str, iteration: int) -> None:
+        self._counter += 1
+        self._set(counter=self._counter, iteration=iteration, phase=PHASES.index(phase),
+                  stamp_ns=now_ns())
+
+    def set_generation(self, generation: int) -> None:
+        self._set(generation=generation)
+
+    def iteration_took(self, seconds: float) -> None:
+        current = struct.unpack_from("<q", self._map, self._index["iteration_ns"])[0]
+        self._set(iteration_ns=max(current, int(seconds * 1e9)))
+
+    @contextlib.contextmanager
+    def long_operation(self, budget_s: float) -> Iterator[None]:
+        """No hang is seen while inside (a durable save, a slow first build...), for up to
+        `budget_s`; progress is stamped on the way in and out."""
+        self._set(long_until_ns=now_ns() + int(budget_s * 1e9))
+        try:
+            yield
+        finally:
+            self._set(long_until_ns=0, stamp_ns=now_ns())
+
+    def hooks(self) -> TrainingHooks:
+        return _Stamps(self)
+
+    # -- the monitor: where the training thread is ----------------------------------------
+    def start_monitor(self, period_s: float = 0.25) -> None:
+        threading.Thread(target=self._monitor, args=(period_s,), name="deadpool-monitor",
+                         daemon=True).start()
+
+    def stop_monitor(self) -> None:
+        self._stop.set()
+
+    def _monitor(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self._set(monitor_ns=now_ns(), where=where(self.training_thread))
+
+
+def where(thread_id: int | None) -> int:
+    """In a collective (a torch.distributed call, or a wait on an asynchronous one), or
+    elsewhere; NOWHERE when no training thread runs."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return NOWHERE
+    if ".wait(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+        return IN_COLLECTIVE  # an asynchronous collective's handle
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in COLLECTIVE_FILES):
+            return IN_COLLECTIVE
+        frame = frame.f_back
+    return RUNNING
+
+
+class _Stamps(TrainingHooks):
+    def __init__(self, board: ProgressBoard) -> None:
+        self.board = board
+        self._started = 0.0
+
+    def on_train_start(self, state: LoopState) -> None:
+        self.board.training_thread = threading.get_ident()
+        self.board.stamp("start", state.iteration)
+
+    def on_iteration_start(self, state: LoopState) -> None:
+        self._started = time.monotonic()
+        self.board.stamp("iteration", state.iteration + 1)
+
+    def on_phase(self, phase: str, state: LoopState) -> None:
+        if phase in PHASES:
+            self.board.stamp(phase, state.iteration + 1)
+
+    def before_grad_reduction(self, state: LoopState) -> None:
+        self.board.stamp("reduction", state.iteration + 1)
+
+    def after_iteration(self, state: LoopState) -> None:
+        self.board.iteration_took(time.monotonic() - self._started)
+        self.board.stamp("iteration", state.iteration)
+
+    def on_train_end(self, state: LoopState) -> None:
+        self.board.stamp("done", state.iteration)
+        self.board.training_thread = None

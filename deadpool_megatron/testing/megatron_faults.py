@@ -1,0 +1,102 @@
+"""Test-only: one rank fails inside Megatron-Core the way real failures come, without our
+fault injector.
+
+Installed by pretrain_gpt.py when the environment variable DEADPOOL_TEST_MEGATRON_FAULT is
+set (only tests set it). It patches a Megatron-Core function in the process of the worker
+that started as that rank (a spare taking the rank later is not affected):
+
+    "raise rank=2 at=forward call=13"   RuntimeError("CUDA error: an illegal memory access
+                                        was encountered") from TransformerLayer.forward
+    "block rank=3 at=backward call=5"   the training thread blocks forever (releasing the
+                                        GIL, its process otherwise healthy) inside the
+                                        backward of Megatron's tensor-parallel linear
+    "gil rank=2 at=save seconds=20"     the thread holds the GIL for that long inside
+                                        megatron.core.dist_checkpointing.save (a long C call)
+
+`call=N` fires at the Nth call of the patched function in this process (1-based), so a
+test picks the iteration and micro-batch: TransformerLayer.forward runs once per layer of
+the stage per micro-batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+ENV = "DEADPOOL_TEST_MEGATRON_FAULT"
+CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
+
+
+@dataclass(frozen=True)
+class MegatronFault:
+    action: str  # raise, block, gil
+    rank: int
+    at: str  # forward, backward, save
+    call: int = 1
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> "MegatronFault":
+        words = text.split()
+        fields = dict(w.split("=", 1) for w in words[1:])
+        return cls(action=words[0], rank=int(fields["rank"]), at=fields["at"],
+                   call=int(fields.get("call", 1)), seconds=float(fields.get("seconds", 0)))
+
+
+def _hold_gil(seconds: float) -> None:
+    """A C call that keeps the GIL (ctypes.pythonapi calls do not release it)."""
+    libc = ctypes.PyDLL(None)
+    libc.usleep(ctypes.c_uint(int(seconds * 1e6)))
+
+
+def _failing(fault: MegatronFault, fn: Callable) -> Callable:
+    calls = 0
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == fault.call:
+            print(f"test fault: {fault.action} in {fault.at} (call {calls})", flush=True)
+            if fault.action == "raise":
+                raise RuntimeError(CUDA_ERROR)
+            if fault.action == "block":
+                threading.Event().wait()  # forever; the GIL is released
+            if fault.action == "gil":
+                _hold_gil(fault.seconds)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def install_from_env() -> MegatronFault | None:
+    """Patch Megatron-Core as DEADPOOL_TEST_MEGATRON_FAULT says, in the worker that started
+    as the named rank; returns the fault, or None."""
+    text = os.environ.get(ENV)
+    if not text or "RANK" not in os.environ or os.environ.get("DEADPOOL_EPOCH", "0") != "0":
+        return None
+    fault = MegatronFault.parse(text)
+    if int(os.environ["RANK"]) != fault.rank:
+        return None
+    if fault.at == "forward":
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        TransformerLayer.forward = _failing(fault, TransformerLayer.forward)
+    elif fault.at == "backward":
+        from megatron.core.tensor_parallel.layers import (
+            LinearWithGradAccumulationAndAsyncCommunication as Linear,
+        )
+
+        Linear.backward = staticmethod(_failing(fault, Linear.backward))
+    elif fault.at == "save":
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save = _failing(fault, dist_checkpointing.save)
+    else:
+        raise ValueError(f"{ENV}: unknown at={fault.at!r}")
+    return fault

@@ -1,0 +1,39 @@
+"""Whose failure an error is (control/failures.py), without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool_megatron.control.failures import caused_by_a_peer
+from deadpool_megatron.testing.megatron_faults import CUDA_ERROR
+
+
+@pytest.mark.parametrize("text", [
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+    "closed by peer [127.0.0.1]:915",
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:19657: "
+    "Connection reset by peer",
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+    "120000ms for recv operation to complete",
+    "NCCL communicator was aborted on rank 3.",
+])
+def test_communication_errors_are_a_peers(text: str) -> None:
+    assert caused_by_a_peer(RuntimeError(text))
+
+
+@pytest.mark.parametrize("err", [
+    RuntimeError(CUDA_ERROR), MemoryError(), ValueError("bad sample 17"),
+    AssertionError("shapes differ"), RuntimeError("CUDA out of memory. Tried to allocate"),
+])
+def test_anything_else_is_the_ranks_own(err: BaseException) -> None:
+    assert not caused_by_a_peer(err)
+
+
+def test_a_chained_communication_error_is_a_peers() -> None:
+    try:
+        try:
+            raise RuntimeError("Connection reset by peer")
+        except RuntimeError as inner:
+            raise ValueError("snapshot pipeline failed") from inner
+    except ValueError as outer:
+        assert caused_by_a_peer(outer)
