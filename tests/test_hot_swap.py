@@ -73,19 +73,19 @@ def test_gold_rank_killed_mid_iteration(tmp_path: Path, failure_free: str) -> No
     # forward, then rank 6 (a last stage) inside the optimizer step.
     ("rank0_forward_then_last_stage_in_optimizer",
      ["kill rank=0 iter=3 phase=forward", "kill rank=6 iter=5 phase=optimizer"]),
-    # A raised exception, then a hung rank (SIGSTOP, found by missed heartbeats).
+    # A raised exception, then a hung rank (SIGSTOP, found by its stalled progress).
     ("raised_then_hung", ["raise rank=1 iter=3 phase=forward",
                           "hang rank=2 iter=5 phase=backward"]),
 ])
 def test_failures_in_sequence(tmp_path: Path, failure_free: str, name: str,
                               faults: list[str]) -> None:
-    # Only the hung rank needs a short heartbeat timeout; elsewhere the default (10 s)
-    # keeps a starved-but-alive worker on this 2-core machine from being declared hung.
-    run, events = _launch(tmp_path, name, faults,
-                          heartbeat_timeout=3.0 if "hung" in name else 10.0)
+    # Only the hung rank needs a short progress timeout (the default is 10 iterations, at
+    # least 20 s).
+    extra = ["--deadpool-progress-timeout", "3"] if "hung" in name else []
+    run, events = _launch(tmp_path, name, faults, extra=extra)
     _assert_recovered(run, failure_free, recoveries=2)
     how = [e.get("how") for e in _events(events) if e["event"] == "failure_detected"]
-    assert how == ["exit", "heartbeat" if "hung" in name else "exit"], how
+    assert how == ["exit", "hang" if "hung" in name else "exit"], how
 
 
 @pytest.mark.fault_matrix

@@ -28,6 +28,10 @@ RENDEZVOUS_CHECK_S = 0.05  # how often a rendezvous looks for a newer declaratio
 SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
 
 
+class NotAMember(RuntimeError):
+    """This worker is not (or no longer) a member of the generation it tried to join."""
+
+
 class JobShutdown(RuntimeError):
     """The launcher ended the job (finished, or recovery impossible: the reason says)."""
 
@@ -154,9 +158,16 @@ class ControlClient:
         """Survivors after an error: block until the launcher declares a newer generation."""
         return self._wait_declared_after(generation, self.timeout_s)
 
-    def rendezvous(self, generation: int, world_size: int) -> bool:
+    def rendezvous(self, generation: int, world_size: int, rank: int) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
-        The last to join writes the ready key, which everyone else is blocked on."""
+        The last to join writes the ready key, which everyone else is blocked on. Only the
+        worker the generation's membership names for `rank` may join as it: a worker
+        declared lost that wakes up later (a frozen process, a partitioned host) is refused
+        (NotAMember), so it can never take a rank's place or fill the barrier."""
+        holder = self.members(generation).get(rank)
+        if holder != self.worker:
+            raise NotAMember(f"worker {self.worker} may not join generation {generation} as "
+                             f"rank {rank}: the membership names {holder}")
         if self.store.add(keys.joined(generation), 1) >= world_size:
             self.store.set(keys.ready(generation), "1")
         deadline = time.monotonic() + self.timeout_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 PEER_SIGNS = (
     "Connection reset by peer", "Connection closed by peer", "Read error", "Write error",
     "Broken pipe", "Timed out waiting", "Socket Timeout", "Connection refused",
+    "Connection was likely closed", "Failed to recv", "Failed to send",
     "NCCL communicator was aborted", "ncclRemoteError", "remote process exited",
     "this generation was abandoned", "a new generation was declared",
     "snapshot generation abandoned",

@@ -12,9 +12,10 @@ from deadpool_megatron.topology import ParallelSizes, coord_of, node_of
 
 ACTIONS = ("kill", "hang", "raise", "corrupt")
 # 'reduction' fires once the data-parallel gradient reduction is about to begin (after the
-# barrier: every peer is reducing); 'optimizer' just before the optimizer step; 'recovery'
-# while the rank recovers into generation iter=N (a failure during recovery).
-PHASES = ("forward", "backward", "reduction", "optimizer", "snapshot", "recovery")
+# barrier: every peer is reducing); 'optimizer' just before the optimizer step; 'groups'
+# while generation iter=N creates its process groups (the default one made, Megatron's
+# not yet); 'recovery' while the rank recovers into generation iter=N, its groups made.
+PHASES = ("forward", "backward", "reduction", "optimizer", "snapshot", "groups", "recovery")
 COORD_KEYS = ("tp", "cp", "pp", "dp")
 
 

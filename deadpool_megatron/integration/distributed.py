@@ -27,7 +27,7 @@ def init_process_groups(cfg: TrainConfig) -> None:
     init_megatron_groups(cfg)
 
 
-def init_megatron_groups(cfg: TrainConfig) -> None:
+def init_megatron_groups(cfg: TrainConfig, timeout: timedelta | None = None) -> None:
     """Every Megatron-Core parallel group, over the current default group.
 
     No gloo duplicates of the groups: only the dp_zero and memory-efficient
@@ -45,7 +45,8 @@ def init_megatron_groups(cfg: TrainConfig) -> None:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+            distributed_timeout_minutes=(timeout.total_seconds() / 60 if timeout is not None
+                                         else cfg.distributed_timeout_minutes),
             create_gloo_process_groups=False,
         )
 

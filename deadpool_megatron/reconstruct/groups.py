@@ -43,15 +43,53 @@ def leave_generation() -> None:
     c10d._world.pg_map.clear() if dist.is_initialized() else None
 
 
+REBUILD_TIMEOUT_S = 60.0  # groups being created wait this long at most for a peer
+
+
+class GenerationStore:
+    """A store connection of its own for one generation's group rendezvous.
+
+    A rank creating a group waits in the store for each peer's address. If a peer dies
+    before publishing it, the wait would last the whole process-group timeout; a newer
+    declaration cuts this connection instead (`cut`), and the wait fails at once."""
+
+    def __init__(self, ctl: ControlClient, generation: int) -> None:
+        before = _sockets_to(ctl.port)
+        client = dist.TCPStore(ctl.host, ctl.port, is_master=False,
+                               timeout=timedelta(seconds=ctl.timeout_s))
+        self.fds = sorted(set(_sockets_to(ctl.port)) - set(before))
+        self.store = dist.PrefixStore(keys.epoch_prefix(ctl.epoch) + keys.pg_prefix(generation),
+                                      client)
+
+    def cut(self) -> None:
+        import socket
+
+        for fd in self.fds:
+            try:
+                dup = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                dup.close()
+
+
 def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: int,
-                    cfg: TrainConfig, laps: Callable[[str], None] = lambda name: None) -> bool:
+                    cfg: TrainConfig, laps: Callable[[str], None] = lambda name: None,
+                    on_store: Callable[[GenerationStore], None] = lambda store: None,
+                    after_default_group: Callable[[], None] = lambda: None) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group.
 
     False if a newer generation was declared while waiting (a failure during recovery).
+    The groups are created with a timeout of at most REBUILD_TIMEOUT_S (a peer that died
+    after publishing its address is not waited for longer), then given the job's.
     """
     from deadpool_megatron.integration.distributed import init_megatron_groups
 
-    if not ctl.rendezvous(generation, world_size):
+    if not ctl.rendezvous(generation, world_size, rank):
         return False
     laps("rendezvous")
     if cfg.distributed_backend == "nccl":
@@ -59,14 +97,40 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
         # takes; an active worker's slot is its local rank.
         slot = int(os.environ.get("DEADPOOL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(slot % torch.cuda.device_count())
-    store = dist.PrefixStore(keys.pg_prefix(generation), ctl.store)
-    dist.init_process_group(backend=cfg.distributed_backend, store=store, rank=rank,
-                            world_size=world_size,
-                            timeout=timedelta(minutes=cfg.distributed_timeout_minutes))
+    store = GenerationStore(ctl, generation)
+    on_store(store)
+    job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
+    rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
+    dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,
+                            world_size=world_size, timeout=rebuild)
     laps("default_group")
-    init_megatron_groups(cfg)
+    after_default_group()
+    init_megatron_groups(cfg, timeout=rebuild)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(job_timeout, group)
     laps("megatron_groups")
     return True
+
+
+def _sockets_to(port: int) -> list[int]:
+    """This process's socket fds connected to `port`."""
+    import socket
+
+    found = []
+    for fd in _socket_fds():
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and \
+                    sock.getpeername()[1] == port:
+                found.append(fd)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return found
 
 
 def sever_connections(keep_ports: set[int]) -> int:

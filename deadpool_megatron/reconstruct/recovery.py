@@ -94,6 +94,7 @@ class Member:
     identity: list[tuple[int, int]] = field(default_factory=list)  # params at first build
     start_iteration: int | None = None  # where this job's training began (after --load)
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
+    gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -244,15 +245,28 @@ def _stop_training(member: Member, training: StoppableThread | None,
 # -- rejoin, rebind -------------------------------------------------------------------------
 def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool:
     """Meet generation `generation`'s members and create its groups (the snapshot group
-    too); False if a newer generation was declared meanwhile."""
+    too); False if a newer generation was declared meanwhile. A newer declaration while
+    this generation forms cuts its connections (`interrupt`), so nothing waits on a peer
+    that died meanwhile."""
     laps = laps or _Laps()
+    member.generation = generation  # groups made from here on are this generation's
+    member.ctl.watch(generation, lambda newer: interrupt(member))
     if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
-                           laps):
+                           laps, on_store=lambda store: setattr(member, "gen_store", store),
+                           after_default_group=lambda: member.injector.fire("groups",
+                                                                            generation)):
         return False
     member.engine.connect()
     laps("snapshot_group")
-    member.generation = generation
     return True
+
+
+def interrupt(member: Member) -> None:
+    """From the watcher thread, on a declaration newer than the generation being formed:
+    fail whatever the main thread waits on (a peer's address in the store, a collective)."""
+    if member.gen_store is not None:
+        member.gen_store.cut()
+    sever_connections({member.ctl.port})
 
 
 def rebind(member: Member) -> int:
@@ -362,6 +376,7 @@ def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = Non
     plan = restore(member)
     lap("restore")
     member.stamp("recovery")
+    member.ctl.unwatch()  # formed: from here on, the training loop watches
     _release_in_background(member)
     memory = peak.stop() if peak is not None else {}
     rank = member.rank

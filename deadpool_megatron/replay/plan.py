@@ -117,8 +117,8 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
     world = len(reports)
     needs_buddy = [r in replaced or not reports[r].own for r in range(world)]
     target = choose_target(reports, needs_buddy, buddies)
-    survivors = [rep for r, rep in enumerate(reports) if r not in replaced and rep.live is not None]
-    if target is None and survivors and all(rep.at_start for rep in survivors):
+    survivors = [rep for r, rep in enumerate(reports) if r not in replaced]
+    if target is None and all(rep.at_start or rep == SPARE_REPORT for rep in survivors):
         return RecoveryPlan(target=FRESH_START, restore=("fresh",) * world,
                             work=tuple({} for _ in range(world)), last_iteration=FRESH_START,
                             refill_ward=(False,) * world, num_microbatches=num_microbatches)

@@ -1,4 +1,4 @@
-"""A stand-in training script for launcher tests: it joins the control plane, heartbeats,
+"""A stand-in training script for launcher tests: it joins the control plane,
 follows generations and can fail on cue, but trains nothing (starts in ~2 s, not ~10).
 
 Active workers run for --seconds, then report done; a spare reports done as soon as it is
@@ -20,6 +20,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--fail-rank", type=int, action="append", default=[])
     parser.add_argument("--fail-after", type=float, default=1.0)
+    parser.add_argument("--deadpool", action="store_true")  # what the launcher looks for
     parser.add_argument("--save")  # accepted (the launcher reads it), unused
     parser.add_argument("--load")
     args = parser.parse_args()

@@ -142,11 +142,14 @@ PORT = re.compile(r"control plane on [^:\s]+:(\d+)")
 def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_dir: Path,
               timeout_s: float = 400.0, env: dict[str, str] | None = None,
               script: Path = PRETRAIN_GPT,
-              kill_host: tuple[int, str, float] | None = None) -> JobResult:
+              kill_host: tuple[int, str, float] | None = None,
+              freeze_host: tuple[int, str, str] | None = None) -> JobResult:
     """One deadpool-launch per simulated host on this machine, as under Slurm: host 0 picks
     a free control-plane port, which the others are then given (no free-port race).
     logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
     launcher with all its workers `delay` s after `text` appears in its log (a lost host).
+    freeze_host=(h, text, thaw): SIGSTOP host h's launcher and workers when `text` appears
+    in its log, SIGCONT them when `thaw` appears in host 0's (a host cut off for a while).
     Every launcher is killed, with its workers, at the deadline."""
     log_dir.mkdir(parents=True, exist_ok=True)
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -156,7 +159,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
     deadline = start + timeout_s
-    timed_out, killed_at = False, None
+    timed_out, killed_at, frozen = False, None, None
 
     def launch(h: int, port_args: list[str]) -> None:
         procs.append(subprocess.Popen(
@@ -186,9 +189,18 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
             elif killed_at is not None and time.monotonic() >= killed_at:
                 _kill_group(procs[kill_host[0]])
                 killed_at = float("inf")
+            elif freeze_host is not None and frozen is None and \
+                    freeze_host[1] in paths[freeze_host[0]].read_text(errors="replace"):
+                os.killpg(procs[freeze_host[0]].pid, signal.SIGSTOP)
+                frozen = True
+            elif frozen and freeze_host[2] in paths[0].read_text(errors="replace"):
+                os.killpg(procs[freeze_host[0]].pid, signal.SIGCONT)
+                frozen = False
             time.sleep(0.05)
     finally:
         for proc in procs:
+            if frozen:
+                os.killpg(proc.pid, signal.SIGCONT)
             _kill_group(proc)  # each launcher's workers share its session
         for f in files:
             f.close()

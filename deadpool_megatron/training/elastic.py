@@ -19,7 +19,7 @@ from functools import partial
 from typing import Callable, ContextManager
 
 from deadpool_megatron.config import TrainConfig
-from deadpool_megatron.control.client import ControlClient, JobShutdown
+from deadpool_megatron.control.client import ControlClient, JobShutdown, NotAMember
 from deadpool_megatron.control.failures import caused_by_a_peer
 from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.control.policy import RecoveryImpossible
@@ -160,9 +160,13 @@ def _train(member: Member, dataset: object, finish: Callable[[LoopState], None],
     if barrier is not None:
         hooks.append(ReductionBarrier(barrier))
     hooks.append(_IterationEvents(member, max(work) if work else None))
-    train(member.cfg, dataset, member.state, hooks=hooks, checkpointer=member.checkpointer(),
-          replay=work)
-    finish(member.state)
+    try:
+        train(member.cfg, dataset, member.state, hooks=hooks,
+              checkpointer=member.checkpointer(), replay=work)
+        finish(member.state)
+    finally:
+        if member.progress is not None:  # a later thread may reuse this one's id
+            member.progress.training_thread = None
 
 
 def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
@@ -171,8 +175,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                 progress: ProgressBoard | None = None) -> int:
     from deadpool_megatron.faults.spec import parse_fault, target_ranks
     from deadpool_megatron.integration.distributed import destroy_process_groups
-    from deadpool_megatron.reconstruct.groups import join_generation
-    from deadpool_megatron.reconstruct.recovery import build_fresh, enter, recover
+    from deadpool_megatron.reconstruct.recovery import build_fresh, enter, rejoin
     from deadpool_megatron.reconstruct.rebind import MegatronGlobals
     from deadpool_megatron.reconstruct.spare import build_for_rank, warm_up_imports
     from deadpool_megatron.snapshot.engine import SnapshotEngine
@@ -219,8 +222,9 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                      "%.0f ms", ctl.worker, rank, generation, 1e3 * (time.perf_counter() - t0))
             work = enter(member, generation, t0)
         else:
-            if not join_generation(ctl, 0, rank, world, cfg):
+            if not rejoin(member, 0):
                 raise RuntimeError("a failure was declared before the job started")
+            ctl.unwatch()
             build_fresh(member)
     except JobShutdown as end:
         log.error("rank %d: job ended by the launcher: %s", rank, end)
@@ -242,7 +246,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         except JobShutdown as end:
             log.error("rank %d: job ended by the launcher: %s", rank, end)
             return 1
-        except (RecoveryImpossible, CannotContinue) as err:
+        except (RecoveryImpossible, CannotContinue, NotAMember) as err:
             return _leave_job(member, err)
         except Exception as err:  # noqa: BLE001 - a peer's failure, or this rank's own
             ctl.unwatch()
@@ -264,7 +268,7 @@ def _recover(member: Member, training: GenerationThread | None,
         except (JobShutdown, TimeoutError) as end:
             log.error("rank %d: no recovery: %s", member.rank, end)
             _exit(1)
-        except (RecoveryImpossible, CannotContinue) as fatal:
+        except (RecoveryImpossible, CannotContinue, NotAMember) as fatal:
             _exit(_leave_job(member, fatal))
         except Exception as again:  # noqa: BLE001 - a failure during recovery
             if not caused_by_a_peer(again):

@@ -1,0 +1,194 @@
+"""Failures as they really come (issue 9's acceptance), most of them raised inside
+Megatron-Core by a test-only patch (deadpool_megatron/testing/megatron_faults.py), not by our
+injector: a rank's own exception, a training thread blocked forever, a durable save holding
+the GIL, a rank dying while the next generation creates its groups, a host frozen until it
+is declared lost, a launcher killed, a job without --deadpool."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPT_3D_ARGS
+from deadpool_megatron.reconstruct.groups import REBUILD_TIMEOUT_S
+from deadpool_megatron.testing.jobs import REPO, JobResult, run_hosts, run_launched
+from deadpool_megatron.testing.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
+
+pytestmark = pytest.mark.multiproc
+ITERS = 8
+ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
+# TP2 x PP2 x DP2, 2 layers: each pipeline stage has one transformer layer, four linear
+# layers (qkv, proj, fc1, fc2) and four micro-batches per iteration.
+FORWARD_CALLS_PER_ITERATION = 4
+LINEAR_BACKWARDS_PER_MICROBATCH = 4
+
+
+def _launch(tmp: Path, extra: list[str] = (), env: dict[str, str] | None = None,
+            spares: int = 2) -> tuple[JobResult, list[dict]]:
+    events = tmp / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+            str(events), *extra]
+    run = run_launched(["--nproc-per-node", "8", "--spares", str(spares), "--logical-nodes",
+                        "2"], args, tmp, timeout_s=400, env={**ENV, **(env or {})})
+    return run, _events(events)
+
+
+def _events(prefix: Path) -> list[dict]:
+    out = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["t"])
+
+
+def _declared(events: list[dict]) -> list[list[int]]:
+    return [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+
+
+def test_own_exception_inside_megatron_replaces_that_rank_alone(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """RuntimeError("CUDA error: ...") from rank 2's TransformerLayer.forward in iteration 4:
+    rank 2 leaves at once with its traceback; its peers, which see only the consequences,
+    stay; a spare takes rank 2; the run ends bit-exact."""
+    call = 3 * FORWARD_CALLS_PER_ITERATION + 1
+    run, events = _launch(tmp_path, env={MEGATRON_FAULT: f"raise rank=2 at=forward call={call}"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert _declared(events) == [[2]], run.describe()
+    (detected,) = [e for e in events if e["event"] == "failure_detected"]
+    assert detected["how"] == "exit" and CUDA_ERROR in detected["reason"], detected
+    assert "Traceback (most recent call last)" in run.output  # the rank's own, in the log
+
+
+@pytest.mark.fault_matrix
+@pytest.mark.parametrize("name, rank, call", [
+    # Rank 3's first backward of iteration 4: its process and threads otherwise healthy.
+    ("blocked_in_backward", 3, 3 * 4 * LINEAR_BACKWARDS_PER_MICROBATCH + 1),
+    # Rank 2's last micro-batch of iteration 3: the other replica has finished and waits for
+    # it in the data-parallel gradient reduction, its own stage-1 peers too.
+    ("blocked_while_peers_reduce", 2, 2 * 4 * LINEAR_BACKWARDS_PER_MICROBATCH
+     + 3 * LINEAR_BACKWARDS_PER_MICROBATCH + 1),
+])
+def test_a_blocked_training_thread_is_found_and_only_it_replaced(
+        tmp_path: Path, failure_free_8: JobResult, name: str, rank: int, call: int) -> None:
+    run, events = _launch(tmp_path / name, ["--deadpool-progress-timeout", "3"],
+                          env={MEGATRON_FAULT: f"block rank={rank} at=backward call={call}"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert _declared(events) == [[rank]], run.describe()
+    (verdict,) = [e for e in events if e["event"] == "hang_localized"]
+    assert verdict["culprits"] == [f"w{rank}"] and verdict["certain"], verdict
+    assert len(verdict["stalled"]) > 1  # its peers waited for it, and were not replaced
+    assert "megatron_faults.py" in run.output  # its stacks, dumped before it was killed
+
+
+@pytest.mark.fault_matrix
+def test_the_gil_held_for_20_s_in_a_durable_save_is_no_hang(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 2 holds the GIL for 20 s inside megatron.core.dist_checkpointing.save while
+    every other rank waits for it; a 3 s progress timeout and a 3 s host timeout declare
+    nothing: the save is a declared long operation, and liveness is read outside the worker
+    (the previous, heartbeat-thread design declared rank 2 hung here)."""
+    run, events = _launch(tmp_path, ["--deadpool-progress-timeout", "3", "--save",
+                                     str(tmp_path / "ckpt"), "--save-interval", "4"],
+                          env={MEGATRON_FAULT: "gil rank=2 at=save call=1 seconds=20"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "test fault: gil in save" in run.output
+    assert not [e for e in events if e["event"] in ("failure_detected", "hang_localized")]
+
+
+@pytest.mark.fault_matrix
+def test_a_rank_killed_while_the_next_generation_creates_its_groups(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 3 dies between the default group and Megatron's groups of generation 1: its
+    peers, waiting in the store for its address, are cut loose by the next declaration
+    instead of waiting out a timeout."""
+    run, events = _launch(tmp_path, ["--deadpool-inject", "kill rank=5 iter=3 phase=backward",
+                                     "--deadpool-inject", "kill rank=3 iter=1 phase=groups"])
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert _declared(events) == [[5], [3]], run.describe()
+    second = [e for e in events if e["event"] == "generation_declared"][1]
+    formed = min(e["t"] for e in events if e["event"] == "recovered" and e["generation"] == 2)
+    assert formed - second["t"] < REBUILD_TIMEOUT_S / 4, "waited on a group timeout"
+
+
+@pytest.mark.fault_matrix
+def test_a_frozen_host_declared_lost_cannot_rejoin(tmp_path: Path,
+                                                   failure_free_8: JobResult) -> None:
+    """Host 1 (ranks 4-7, launcher included) is frozen mid-run, as by a partition; host 0
+    declares it lost and its own spares take ranks 4-7. Thawed, host 1's workers find they
+    are no members: none joins a later generation, and the job ends bit-exact."""
+    events = tmp_path / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+            str(events)]
+    run = run_hosts([["--nproc-per-node", "4", "--spares", "4", "--heartbeat-timeout", "3"],
+                     ["--nproc-per-node", "4", "--spares", "0", "--heartbeat-timeout", "3"]],
+                    args, tmp_path, timeout_s=400, env=ENV,
+                    freeze_host=(1, "iteration        3/", "recovery: generation 1 formed"))
+    assert run.returncodes[0] == 0 and not run.timed_out, run.describe()
+    assert run.fingerprint == failure_free_8.fingerprint, run.describe()
+    ev = _events(events)
+    assert _declared(ev) == [[4, 5, 6, 7]], run.describe()
+    assert {e["how"] for e in ev if e["event"] == "failure_detected"} == {"host"}
+    joined = {e["rank"] for e in ev if e["event"] == "recovered"}
+    assert joined == set(range(8))
+    assert all(e["from_buddy"] == (e["rank"] >= 4) for e in ev if e["event"] == "recovered")
+
+
+def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
+    script = REPO / "deadpool_megatron" / "testing" / "control_worker.py"
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "2",
+         "--spares", "1", str(script), "--deadpool", "--seconds", "120"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_workers_of(launcher.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_workers_of(launcher.pid)) == 3, (tmp_path / "launcher.log").read_text()
+        launcher.send_signal(signal.SIGKILL)  # the launcher alone, not its process group
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _workers_of(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _workers_of(launcher.pid) == []
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def _workers_of(launcher_pid: int) -> list[int]:
+    """Live processes started by that launcher (their environment names it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"DEADPOOL_LAUNCHER_PID={launcher_pid}".encode() in environ and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_a_job_without_deadpool_runs_as_under_torchrun(tmp_path: Path,
+                                                        failure_free_8: JobResult) -> None:
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS)]
+    run = run_launched(["--nproc-per-node", "8", "--spares", "0"], args, tmp_path / "plain",
+                       timeout_s=300)
+    assert run.returncodes == [0] and run.fingerprint == failure_free_8.fingerprint, \
+        run.describe()
+    refused = run_launched(["--nproc-per-node", "8", "--spares", "2"], args,
+                           tmp_path / "spares", timeout_s=60)
+    assert refused.returncodes == [2], refused.describe()
+    assert "--spares 2 needs --deadpool" in refused.output
