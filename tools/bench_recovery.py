@@ -12,7 +12,9 @@ Per world size and run pair (same launcher, flags and spares; the pairs alternat
                  the cost in iterations).
 Also each recovery's phases (recovery timeline), and micro-batches recomputed against what a
 whole-iteration replay and a checkpoint restart would have recomputed. Process start-up
-(seconds, and varying) is outside the training time and left out.
+(seconds, and varying) is outside the training time and left out. --fault picks how the
+same rank fails at the same point (a kill, a hang, an exception or a block inside
+Megatron-Core), so failure classes compare side by side.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool_megatron.metrics.timeline import Timeline, load_events, timelines  # noqa: E402
 from deadpool_megatron.testing.jobs import run_launched  # noqa: E402
+from deadpool_megatron.testing.megatron_faults import ENV as MEGATRON_FAULT  # noqa: E402
 
 
 def job_args(world: int, ns: argparse.Namespace, events: Path, ckpt: Path | None) -> list[str]:
@@ -53,16 +56,32 @@ def iteration_ends(events: list[dict]) -> dict[int, float]:
     return ends
 
 
+# The same point of the same rank (rank 1: first stage; its first backward of iteration 5)
+# struck four ways. TP2 x PP2 with 2 layers: 4 micro-batches and 4 linear layers a stage.
+FAULTS = {
+    "kill": ({"inject": "kill rank=1 iter=5 phase=backward"}),
+    "hang": ({"inject": "hang rank=1 iter=5 phase=backward", "progress_timeout": "3"}),
+    "raise": ({"megatron": "raise rank=1 at=backward call=65"}),
+    "block": ({"megatron": "block rank=1 at=backward call=65", "progress_timeout": "3"}),
+}
+
+
 def run_one(world: int, ns: argparse.Namespace, tmp: Path, name: str,
             fault: str | None) -> dict:
     d = tmp / name
     d.mkdir(parents=True)
     events = d / "events"
     args = job_args(world, ns, events, d / "ckpt" if ns.save_interval else None)
-    if fault:
-        args += ["--deadpool-inject", fault]
+    how = FAULTS.get(fault or "", {})
+    env = {}
+    if "inject" in how:
+        args += ["--deadpool-inject", how["inject"]]
+    if "megatron" in how:
+        env[MEGATRON_FAULT] = how["megatron"]
+    if "progress_timeout" in how:
+        args += ["--deadpool-progress-timeout", how["progress_timeout"]]
     job = run_launched(["--nproc-per-node", str(world), "--spares", "1", "--logical-nodes", "2"],
-                       args, d, timeout_s=900)
+                       args, d, timeout_s=900, env=env)
     if not job.ok:
         print(job.describe(), file=sys.stderr)
         raise SystemExit(1)
@@ -86,7 +105,10 @@ def main() -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--kill", default="kill rank=1 iter=5 phase=backward")
+    p.add_argument("--fault", default="kill", choices=sorted(FAULTS),
+                   help="kill: SIGKILL; hang: SIGSTOP (found by progress, 3 s timeout); raise: "
+                        "a CUDA error raised inside Megatron-Core; block: the training thread "
+                        "blocked inside Megatron-Core (3 s timeout)")
     p.add_argument("--replay", default="local", choices=["local", "spread"])
     p.add_argument("--save-interval", type=int, default=0,
                    help="also write durable checkpoints every N iterations (0: none)")
@@ -98,7 +120,7 @@ def main() -> int:
             rows = []
             for rep in range(ns.repeats):
                 free = run_one(world, ns, Path(tmp), f"w{world}r{rep}free", None)
-                hit = run_one(world, ns, Path(tmp), f"w{world}r{rep}kill", ns.kill)
+                hit = run_one(world, ns, Path(tmp), f"w{world}r{rep}kill", ns.fault)
                 if hit["fingerprint"] != free["fingerprint"] and ns.replay == "local":
                     print(f"{world} ranks: fingerprints differ", file=sys.stderr)
                     return 1

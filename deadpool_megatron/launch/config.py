@@ -26,7 +26,9 @@ class LaunchConfig:
     logical_nodes: int = field(default=1, metadata=flag(
         "Split each host's workers into N failure domains (rehearsal on one host)."))
     heartbeat_timeout: float = field(default=10.0, metadata=flag(
-        "Seconds without a heartbeat before a worker (or its whole host) is declared lost."))
+        "Seconds without a report from a host's launcher before that host (its workers "
+        "with it) is declared lost; a hung worker is found by its progress instead "
+        "(--deadpool-progress-timeout of the training script)."))
     failure_window: float = field(default=0.02, metadata=flag(
         "Seconds to gather failures into one declaration."))
     max_restarts: int = field(default=1, metadata=flag(
