@@ -24,6 +24,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from deadpool_megatron.control import keys, progress
+from deadpool_megatron.launch.child import die_with_parent
 from deadpool_megatron.launch.config import LaunchConfig
 
 log = logging.getLogger("deadpool_megatron.launch")
@@ -51,6 +52,7 @@ class LocalWorkers:
         self.progress_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
         self._seq = 0
         self._next_report = 0.0
+        self._die_with_us = die_with_parent()
 
     def _env(self, worker: str, rank: int | None, slot: int) -> dict[str, str]:
         env = {**os.environ, "MASTER_ADDR": self.cfg.master_addr,
@@ -77,7 +79,7 @@ class LocalWorkers:
 
     def _start(self, worker: str, rank: int | None, slot: int) -> None:
         proc = subprocess.Popen(self.cmd, env=self._env(worker, rank, slot),
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, preexec_fn=self._die_with_us)
         # Workers run one step below the launcher's priority: on a host whose cores the
         # training saturates, the control plane that turns a death into a declaration
         # must not queue behind it (any user may lower a child's priority).

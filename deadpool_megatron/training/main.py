@@ -31,9 +31,6 @@ def _setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from deadpool_megatron.launch.child import die_with_launcher
-
-    die_with_launcher()
     _setup_logging()
     cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], argv, prog="pretrain_gpt.py")
     world = int(os.environ.get("WORLD_SIZE", "1"))
