@@ -1,1 +1,1 @@
-"""Control plane: membership, heartbeats, failure declaration and generations."""
+"""Control plane: membership, host reports, failure declaration and generations."""

@@ -68,8 +68,9 @@ def warm_up_imports() -> None:
     _register_local_backend()
 
 
-def build_for_rank(cfg: TrainConfig, rank: int, world_size: int,
-                   cpu_rehearsal: bool) -> tuple[TrainingObjects, dict[GroupKey, dist.ProcessGroup]]:
+def build_for_rank(
+    cfg: TrainConfig, rank: int, world_size: int, cpu_rehearsal: bool,
+) -> tuple[TrainingObjects, dict[GroupKey, dist.ProcessGroup]]:
     """The objects of `rank`, built without peers, and the local groups they hold (by name,
     for the swap to the real ones)."""
     from deadpool_megatron.integration.distributed import init_megatron_groups, set_seeds

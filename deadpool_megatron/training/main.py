@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(cfg.num_threads)
     from deadpool_megatron.control.client import ControlClient
 
-    # Under deadpool-launch: heartbeats start now, before the long imports.
+    # Under deadpool-launch: join the control plane before the long imports.
     ctl = ControlClient.from_env() if ft.deadpool else None
 
     from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import, rehearsal_needed
