@@ -77,10 +77,11 @@ def test_every_point_of_an_iteration_3d_distributed_optimizer(
     faults = ["kill rank=5 iter=1 phase=forward",  # the first iteration
               "kill rank=2 iter=2 phase=snapshot",  # snapshot 2 torn on the wire
               "kill rank=6 iter=5 phase=reduction",  # after every replica began reducing
-              "kill rank=1 iter=7 phase=optimizer"]  # just before the optimizer step
-    run, events = _launch(tmp_path, [*GPT_3D_ARGS], faults, spares=4)
-    recovered = _check_recoveries(run, events, failure_free_8.fingerprint, count=4)
-    by_gen = {g: [e for e in recovered if e["generation"] == g] for g in range(1, 5)}
+              "kill rank=1 iter=7 phase=optimizer",  # just before the optimizer step
+              "kill rank=3 iter=8 phase=backward wait=commit"]
+    run, events = _launch(tmp_path, [*GPT_3D_ARGS], faults, spares=5)
+    recovered = _check_recoveries(run, events, failure_free_8.fingerprint, count=5)
+    by_gen = {g: [e for e in recovered if e["generation"] == g] for g in range(1, 6)}
     # Iteration 1: everyone stands on the starting state's snapshot; replica 1 kept its
     # gradients of iteration 1 and recomputes nothing.
     assert {e["restored"] for e in by_gen[1]} == {0}
@@ -90,18 +91,23 @@ def test_every_point_of_an_iteration_3d_distributed_optimizer(
     # A reduction that had begun is never trusted: both replicas recompute iteration 5.
     assert not any(e["kept_grads"] for e in by_gen[3])
     assert all(e["microbatches_recomputed"] >= 4 for e in by_gen[3])
+    # Backward of iteration 8 in rank 3's replica: the other one keeps its gradients.
+    assert {e["rank"] for e in by_gen[5] if e["kept_grads"]} == {0, 1, 4, 5}
 
 
 def test_every_point_tp2_dp4_plain_optimizer(tmp_path: Path, tp2_dp4_reference: str) -> None:
     faults = ["kill rank=3 iter=1 phase=snapshot",  # snapshot 1 in flight: back to the start
-              "kill rank=4 iter=4 phase=backward",  # three replicas keep their gradients
-              "kill rank=7 iter=6 phase=forward"]
-    run, events = _launch(tmp_path, TP2_DP4, faults, spares=3)
-    recovered = _check_recoveries(run, events, tp2_dp4_reference, count=3)
+              "kill rank=4 iter=4 phase=backward wait=commit",  # three replicas keep their grads
+              "kill rank=7 iter=6 phase=forward",
+              "kill rank=0 iter=7 phase=reduction",
+              "kill rank=5 iter=8 phase=optimizer"]
+    run, events = _launch(tmp_path, TP2_DP4, faults, spares=5)
+    recovered = _check_recoveries(run, events, tp2_dp4_reference, count=5)
     second = [e for e in recovered if e["generation"] == 2]
     assert {e["rank"] for e in second if e["kept_grads"]} == {0, 1, 2, 3, 6, 7}
     assert {e["rank"]: e["microbatches_recomputed"] for e in second if not e["kept_grads"]} \
         == {4: 2, 5: 2}  # global batch 8 over DP4: two micro-batches per replica
+    assert not any(e["kept_grads"] for e in recovered if e["generation"] == 4)  # reducing
 
 
 def test_spread_replay_deals_the_lost_microbatches_once(tmp_path: Path) -> None:
@@ -113,7 +119,7 @@ def test_spread_replay_deals_the_lost_microbatches_once(tmp_path: Path) -> None:
                         timeout_s=300)
     assert reference.ok, reference.describe()
     run, events = _launch(tmp_path / "spread", [*no_dropout, "--deadpool-replay", "spread"],
-                          ["kill rank=4 iter=4 phase=backward"], spares=1)
+                          ["kill rank=4 iter=4 phase=backward wait=commit"], spares=1)
     assert run.ok, run.describe()
     computed = {e["rank"]: e["microbatches_computed"] for e in events
                 if e["event"] == "replay_done"}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from deadpool_megatron.config import ConfigError
+from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault, target_ranks
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, checksum
@@ -84,12 +88,30 @@ def test_fault_targets(text: str, ranks: list[int]) -> None:
     ("explode rank=1 iter=1 phase=forward", "ACTION"),
     ("kill rank=1 iter=1 phase=lunch", "unknown phase"),
     ("kill rank=1 node=0 iter=1 phase=forward", "exactly one target"),
+    ("kill rank=1 iter=2 phase=forward wait=later", "the only wait is wait=commit"),
+    ("kill rank=1 iter=2 phase=snapshot wait=commit", "its own snapshot"),
     ("kill rank=1 phase=forward", "iter= and phase= are required"),
     ("corrupt rank=1 iter=1 phase=forward", "phase=snapshot"),
 ])
 def test_bad_fault_specs_say_what_to_write(text: str, message: str) -> None:
     with pytest.raises(FaultSpecError, match=message):
         parse_fault(text)
+
+
+def test_wait_for_commit_fires_after_the_previous_snapshot_commits() -> None:
+    fault = parse_fault("kill rank=1 iter=3 phase=backward wait=commit")
+    assert fault.after_commit and str(fault).endswith("wait=commit")
+    assert parse_fault(str(fault)) == fault
+    injector = FaultInjector([parse_fault("raise rank=1 iter=3 phase=backward wait=commit")], 1)
+    committed = [1]
+    injector.follow_commits(lambda: committed[0])
+    timer = threading.Timer(0.2, lambda: committed.__setitem__(0, 2))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(InjectedFault):
+        injector.fire("backward", 3)
+    assert time.monotonic() - start >= 0.2  # it waited for snapshot 2
+    timer.join()
 
 
 def test_single_node_buddies_refused_unless_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -83,7 +84,9 @@ def run_one(world: int, ns: argparse.Namespace, tmp: Path, name: str,
     job = run_launched(["--nproc-per-node", str(world), "--spares", "1", "--logical-nodes", "2"],
                        args, d, timeout_s=900, env=env)
     if not job.ok:
-        print(job.describe(), file=sys.stderr)
+        kept = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{name}-"))
+        shutil.copytree(d, kept, dirs_exist_ok=True)  # the run's directory goes away with tmp
+        print(job.describe(), f"\nevery rank's log and events kept in {kept}", file=sys.stderr)
         raise SystemExit(1)
     ev = load_events(events)
     ends = iteration_ends(ev)

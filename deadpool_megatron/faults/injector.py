@@ -6,13 +6,15 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 from deadpool_megatron.faults.spec import FaultSpec
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.faults")
+COMMIT_WAIT_S = 60.0  # a wait=commit fault fires anyway (with a warning) after this
 
 
 class InjectedFault(RuntimeError):
@@ -28,6 +30,11 @@ class FaultInjector:
         self._rank = rank
         self._events = events
         self._fired: set[int] = set()
+        self._committed: Callable[[], int | None] = lambda: None
+
+    def follow_commits(self, committed: Callable[[], int | None]) -> None:
+        """Where wait=commit faults read this rank's newest committed snapshot."""
+        self._committed = committed
 
     def hooks(self) -> TrainingHooks:
         """The training-loop side: forward, backward and optimizer phases."""
@@ -45,6 +52,8 @@ class FaultInjector:
         if fault is None:
             return None
         self._fired.add(self._faults.index(fault))
+        if fault.after_commit:
+            self._wait_for_commit(iteration - 1)
         log.warning("injecting fault on rank %d: %s", self._rank, fault)
         if self._events is not None:
             self._events.emit("fault_injected", fault=str(fault), phase=phase,
@@ -57,6 +66,15 @@ class FaultInjector:
         elif fault.action == "raise":
             raise InjectedFault(f"injected fault on rank {self._rank}: {fault}")
         return fault
+
+    def _wait_for_commit(self, iteration: int) -> None:
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while (self._committed() or -1) < iteration:
+            if time.monotonic() > deadline:
+                log.warning("rank %d: snapshot %d not committed after %.0f s; the fault fires "
+                            "anyway", self._rank, iteration, COMMIT_WAIT_S)
+                return
+            time.sleep(0.002)
 
 
 class _FaultHooks(TrainingHooks):

@@ -31,6 +31,9 @@ class FaultSpec:
     rank: int | None = None
     node: int | None = None
     coord: tuple[tuple[str, int], ...] | None = None  # partial coordinate, e.g. (("tp", 1),)
+    # wait=commit: first wait until this rank's snapshot of the previous iteration has
+    # committed (a failure with the newest snapshot safe, whatever the machine's speed).
+    after_commit: bool = False
 
     def __str__(self) -> str:
         if self.rank is not None:
@@ -39,12 +42,14 @@ class FaultSpec:
             target = f"node={self.node}"
         else:
             target = ",".join(f"{k}={v}" for k, v in self.coord or ())
-        return f"{self.action} {target} iter={self.iteration} phase={self.phase}"
+        wait = " wait=commit" if self.after_commit else ""
+        return f"{self.action} {target} iter={self.iteration} phase={self.phase}{wait}"
 
 
 USAGE = ("expected 'ACTION TARGET iter=N phase=PHASE' with ACTION in "
          f"{'/'.join(ACTIONS)}, TARGET rank=N, node=N or a coordinate like tp=1,pp=0,dp=1, "
-         f"PHASE in {'/'.join(PHASES)}; e.g. 'kill rank=5 iter=3 phase=backward'")
+         f"PHASE in {'/'.join(PHASES)}, optionally wait=commit; "
+         "e.g. 'kill rank=5 iter=3 phase=backward'")
 
 
 def _int(text: str, what: str, spec: str) -> int:
@@ -77,6 +82,11 @@ def parse_fault(spec: str) -> FaultSpec:
                     raise FaultSpecError(f"--deadpool-inject {spec!r}: unknown phase {value!r}; "
                                          f"use one of {', '.join(PHASES)}")
                 fields["phase"] = value
+            elif key == "wait":
+                if value != "commit":
+                    raise FaultSpecError(f"--deadpool-inject {spec!r}: wait={value!r}: the only "
+                                         "wait is wait=commit")
+                fields["after_commit"] = True
             elif key in COORD_KEYS:
                 coord[key] = _int(value, key, spec)
             else:
@@ -88,6 +98,9 @@ def parse_fault(spec: str) -> FaultSpec:
         raise FaultSpecError(f"--deadpool-inject {spec!r}: iter= and phase= are required; {USAGE}")
     if fields["action"] == "corrupt" and fields["phase"] != "snapshot":
         raise FaultSpecError(f"--deadpool-inject {spec!r}: corrupt applies to phase=snapshot")
+    if fields.get("after_commit") and fields["phase"] == "snapshot":
+        raise FaultSpecError(f"--deadpool-inject {spec!r}: wait=commit cannot apply to "
+                             "phase=snapshot (the fault would wait on its own snapshot)")
     if coord:
         fields["coord"] = tuple(sorted(coord.items()))
     return FaultSpec(**fields)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -147,28 +147,52 @@ def sever_connections(keep_ports: set[int]) -> int:
     import socket
 
     cut = 0
+    for sock, local, peer in _tcp_sockets():
+        with sock:
+            if peer is None or local in keep_ports or peer in keep_ports:
+                continue  # listening or not yet connected; or the control plane's
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
+                pass
+    return cut
+
+
+def open_connections() -> list[str]:
+    """This process's TCP sockets as "local->peer" ports ("local listening/unconnected"):
+    what a report of a thread that would not stop shows."""
+    out = []
+    for sock, local, peer in _tcp_sockets():
+        with sock:
+            out.append(f"{local}->{peer}" if peer is not None else f"{local} unconnected")
+    return out
+
+
+def _tcp_sockets() -> Iterator[tuple[Any, int, int | None]]:
+    """(a duplicate of the socket, its local port, its peer's port or None) for each TCP
+    socket of this process; the caller closes the duplicate."""
+    import socket
+
     for fd in _socket_fds():
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
         try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
-                                                                      socket.AF_INET6):
+            inet = sock.family in (socket.AF_INET, socket.AF_INET6)
+            if sock.type != socket.SOCK_STREAM or not inet:
+                sock.close()
                 continue
-            try:
-                local, peer = sock.getsockname()[1], sock.getpeername()[1]
-            except OSError:
-                continue  # listening, or not connected
-            if local in keep_ports or peer in keep_ports:
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            cut += 1
+            local = sock.getsockname()[1]
         except OSError:
-            pass
-        finally:
             sock.close()
-    return cut
+            continue
+        try:
+            peer = sock.getpeername()[1]
+        except OSError:
+            peer = None
+        yield sock, local, peer
 
 
 def _socket_fds() -> list[int]:

@@ -215,9 +215,11 @@ def reachable_groups(roots: Iterable[Any]) -> list[dist.ProcessGroup]:
     return found
 
 
-def stale_references(roots: Iterable[Any], old: Iterable[dist.ProcessGroup]) -> int:
-    """How many references to a group of `old` are reachable from `roots` or from any
-    Megatron module's globals: must be 0 after a recovery."""
+def stale_references(roots: Iterable[Any], old: Iterable[dist.ProcessGroup]) -> list[str]:
+    """The references to a group of `old` reachable from `roots` or from any Megatron
+    module's globals, each named by its group's description and size: must be none after
+    a recovery."""
     old_ids = {id(g) for g in old}
-    return sum(id(g) in old_ids
-               for g in reachable_groups([*roots, MegatronGlobals(deep=True)]))
+    return [f"{getattr(g, 'group_desc', '?')}[{g.size()}]"
+            for g in reachable_groups([*roots, MegatronGlobals(deep=True)])
+            if id(g) in old_ids]

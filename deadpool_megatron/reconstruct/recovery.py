@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import faulthandler
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from deadpool_megatron.integration.model import forget_collective_caches
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.memory import PeakRss
 from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
-                                                  sever_connections)
+                                                  open_connections, sever_connections)
 from deadpool_megatron.reconstruct.rebind import (GroupKey, group_mapping, group_registry,
                                                   MegatronGlobals, rebind_groups,
                                                   stale_references)
@@ -50,6 +51,7 @@ from deadpool_megatron.topology import ParallelSizes, buddy_of, coord_of, ward_o
 
 log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
+RECUT_S = 0.05  # while a thread stops, connections are cut again this often
 RELEASE_WAIT_S = 5.0  # an old generation's group still held after this is reported
 
 
@@ -191,9 +193,11 @@ def leave(member: Member, training: StoppableThread | None) -> int:
     worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
     if not stopped or not worker_stopped:
         where = training.where() if training is not None and not stopped else "snapshot worker"
+        faulthandler.dump_traceback(all_threads=True)  # every thread, into this rank's log
         raise CannotContinue(f"rank {member.rank}: a thread of generation {member.generation} "
                              f"did not stop within {STOP_TIMEOUT_S:.0f} s of its connections "
-                             f"being cut, at:\n{where}")
+                             f"being cut ({severed} cut; still open: {open_connections()}), "
+                             f"at:\n{where}")
     laps("worker")
     leave_generation()
     laps("dropped")
@@ -239,7 +243,18 @@ def _stop_training(member: Member, training: StoppableThread | None,
             training.join(0.002)
         if training.alive():
             severed = sever_connections({member.ctl.port})
-    return training.join(STOP_TIMEOUT_S), severed
+    return _join_cutting(member, training, severed)
+
+
+def _join_cutting(member: Member, training: StoppableThread, severed: int) -> tuple[bool, int]:
+    """Wait for the stopping thread, cutting again every RECUT_S: a connection that was
+    still being set up at the first cut (not yet connected, so not cut) can hold it."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while training.alive() and time.monotonic() < deadline:
+        if training.join(RECUT_S):
+            break
+        severed += sever_connections({member.ctl.port})
+    return not training.alive(), severed
 
 
 # -- rejoin, rebind -------------------------------------------------------------------------
@@ -281,9 +296,10 @@ def rebind(member: Member) -> int:
         stale = stale_references(roots, member.retired_groups)
         log.info("group audit on rank %d: %d group references reachable from the kept "
                  "objects, %d of them from an old generation", member.rank,
-                 sum(1 for _ in _reachable(roots)), stale)
-        if stale:
-            raise RuntimeError(f"{stale} references to old-generation groups still held")
+                 sum(1 for _ in _reachable(roots)), len(stale))
+        if stale:  # this rank's own fault, not a peer's: it leaves and is replaced
+            raise CannotContinue(f"rank {member.rank}: {len(stale)} references to "
+                                 f"old-generation groups still held: {', '.join(stale)}")
     return replaced
 
 

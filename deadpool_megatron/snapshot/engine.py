@@ -95,6 +95,7 @@ class SnapshotEngine(TrainingHooks):
         self.injector, self.events = injector, events
         self.stats = SnapshotStats()
         self.committed_iteration: int | None = None
+        injector.follow_commits(self._committed)  # wait=commit faults read it
         self.pipe: _Pipeline | None = None
         self._cuda = torch.cuda.is_available()
         self._side_stream: Any = None
@@ -111,6 +112,9 @@ class SnapshotEngine(TrainingHooks):
     @property
     def chunk_bytes(self) -> int:
         return max(1, int(self.ft.deadpool_snapshot_chunk_mb * MB))
+
+    def _committed(self) -> int | None:
+        return self.committed_iteration
 
     # -- membership ------------------------------------------------------------------------
     def connect(self) -> None:

@@ -252,7 +252,10 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             ctl.unwatch()
             if not caused_by_a_peer(err):
                 return _leave_job(member, err, training.error_text)
-            work = _recover(member, training, err)
+            broken = without_frames(err)
+        # Outside the except block: an error of this rank's own during the recovery must
+        # not carry the peer's error as its context (it would read as a peer's).
+        work = _recover(member, training, broken)
 
 
 def _recover(member: Member, training: GenerationThread | None,
