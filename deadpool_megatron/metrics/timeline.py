@@ -77,6 +77,9 @@ def timelines(events: list[dict]) -> list[Timeline]:
             return 1e3 * (max(ts) - t0) if ts else float("nan")
 
         recovered = [e for e in events if e["event"] == "recovered" and e["generation"] == gen]
+        if failed_iteration is None:  # a hang: the iteration the survivors were running
+            failed_iteration = min((e["last_iteration"] for e in recovered
+                                    if "last_iteration" in e), default=None)
         rebuilt = max((1e3 * (e["t"] - e["total_s"] + e["groups_s"] - t0) for e in recovered),
                       default=float("nan"))
         out.append(Timeline(
