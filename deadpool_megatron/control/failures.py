@@ -11,6 +11,8 @@ makes.
 
 from __future__ import annotations
 
+from deadpool_megatron.metrics.errors import error_chain
+
 PEER_SIGNS = (
     "Connection reset by peer", "Connection closed by peer", "Read error", "Write error",
     "Broken pipe", "Timed out waiting", "Socket Timeout", "Connection refused",
@@ -23,17 +25,9 @@ PEER_SIGNS = (
 
 def caused_by_a_peer(err: BaseException) -> bool:
     """True if `err`, or an error it was raised from, shows a peer's failure."""
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [err]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in error_chain(err):
         if type(e).__name__ in ("GenerationBroken", "TornTransfer", "JobShutdown"):
             return True
-        text = str(e)
-        if any(sign in text for sign in PEER_SIGNS):
+        if any(sign in str(e) for sign in PEER_SIGNS):
             return True
-        stack += [e.__cause__, e.__context__]
     return False

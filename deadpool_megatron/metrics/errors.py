@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import traceback
+from typing import Iterator
+
+
+def error_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err` and every error chained to it (raised from it, or while handling it), once each."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__]
 
 
 def without_frames(err: BaseException) -> BaseException:
@@ -14,15 +28,8 @@ def without_frames(err: BaseException) -> BaseException:
     random later point, and a group's destructor then runs in whatever thread triggered the
     collection, mid-training, for a hundred milliseconds or, with a peer gone, forever.
     """
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [err]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in error_chain(err):
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
             e.__traceback__ = None
-        stack += [e.__cause__, e.__context__]
     return err
