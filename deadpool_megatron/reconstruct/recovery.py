@@ -16,10 +16,10 @@ again, and the plan, made from what every rank then holds, still restores everyo
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import threading
-import faulthandler
 import time
 import weakref
 from dataclasses import dataclass, field
