@@ -22,6 +22,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.sockets import sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
 RENDEZVOUS_CHECK_S = 0.05  # how often a rendezvous looks for a newer declaration
@@ -45,6 +46,9 @@ class ControlClient:
         self.epoch = epoch
         self.timeout_s = timeout_s
         self.host, self.port = host, port
+        self._opening = threading.Lock()  # one connection opened at a time (see _open)
+        self._prepared: tuple[dist.Store, list[int]] | None = None
+        self._preparing: threading.Thread | None = None
         self.store = self._connect()
         self._cond = threading.Condition()
         self._latest = int(self.store.get(keys.GENERATION))  # newest declared generation
@@ -54,6 +58,7 @@ class ControlClient:
         self._watcher = threading.Thread(target=self._watch_declarations,
                                          name="deadpool-watch", daemon=True)
         self._watcher.start()
+        self.prepare_connection()  # generation 0's (or, for a spare, its first recovery's)
 
     @classmethod
     def from_env(cls) -> "ControlClient | None":
@@ -71,9 +76,56 @@ class ControlClient:
 
     def _connect(self) -> dist.Store:
         """This epoch's view of the launcher's store (a restart opens a fresh one)."""
-        store = dist.TCPStore(self.host, self.port, is_master=False,
-                              timeout=timedelta(seconds=self.timeout_s))
+        store, _ = self._open()
         return dist.PrefixStore(keys.epoch_prefix(self.epoch), store)
+
+    def _open(self) -> tuple[dist.Store, list[int]]:
+        """A new connection to the launcher's store and its socket fds. Openings never
+        overlap, so the fds that appeared are this connection's."""
+        with self._opening:
+            before = set(sockets_to(self.port))
+            store = dist.TCPStore(self.host, self.port, is_master=False,
+                                  timeout=timedelta(seconds=self.timeout_s))
+            return store, sorted(set(sockets_to(self.port)) - before)
+
+    # -- the connection of a generation's group rendezvous, opened ahead of need ----------
+    def prepare_connection(self) -> None:
+        """Open, in the background, the connection the next generation's groups will use.
+        torch's TCPStore client formats the peer address with a reverse name lookup when it
+        connects; where DNS drops a query that costs the resolver's 5 s timeout (seen here
+        in every 16-rank recovery, each rank connecting at once), so it is paid ahead of
+        time, never inside a recovery."""
+        with self._cond:
+            if self._prepared is not None or self._preparing is not None:
+                return
+            self._preparing = threading.Thread(target=self._prepare, daemon=True,
+                                               name="deadpool-connect")
+            self._preparing.start()
+
+    def _prepare(self) -> None:
+        try:
+            opened = self._open()
+        except Exception as err:  # noqa: BLE001 - the next join opens its own
+            log.warning("worker %s: could not open a store connection ahead of need: %s",
+                        self.worker, err)
+            opened = None
+        with self._cond:
+            self._prepared, self._preparing = opened, None
+            self._cond.notify_all()
+
+    def take_connection(self) -> tuple[dist.Store, list[int]]:
+        """A connection of its own (and its fds) for one generation's group rendezvous: the
+        prepared one (waiting for it if it is being opened), else one opened now; the next
+        is then prepared in the background."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._preparing is not None and time.monotonic() < deadline:
+                self._cond.wait(SHUTDOWN_CHECK_S)
+            taken, self._prepared = self._prepared, None
+        if taken is None:
+            taken = self._open()
+        self.prepare_connection()
+        return taken
 
     # -- the watcher thread, with its own connection ---------------------------------------
     def _watch_declarations(self) -> None:

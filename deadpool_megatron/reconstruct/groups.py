@@ -19,6 +19,7 @@ from torch.distributed import distributed_c10d as c10d
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.control.sockets import socket_fds
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
 
@@ -54,10 +55,7 @@ class GenerationStore:
     declaration cuts this connection instead (`cut`), and the wait fails at once."""
 
     def __init__(self, ctl: ControlClient, generation: int) -> None:
-        before = _sockets_to(ctl.port)
-        client = dist.TCPStore(ctl.host, ctl.port, is_master=False,
-                               timeout=timedelta(seconds=ctl.timeout_s))
-        self.fds = sorted(set(_sockets_to(ctl.port)) - set(before))
+        client, self.fds = ctl.take_connection()
         self.store = dist.PrefixStore(keys.epoch_prefix(ctl.epoch) + keys.pg_prefix(generation),
                                       client)
 
@@ -112,27 +110,6 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     return True
 
 
-def _sockets_to(port: int) -> list[int]:
-    """This process's socket fds connected to `port`."""
-    import socket
-
-    found = []
-    for fd in _socket_fds():
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and \
-                    sock.getpeername()[1] == port:
-                found.append(fd)
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return found
-
-
 def sever_connections(keep_ports: set[int]) -> int:
     """Shut down every TCP connection of this process except those to or from `keep_ports`
     (the control-plane store), whatever its state; returns how many were cut.
@@ -174,7 +151,7 @@ def _tcp_sockets() -> Iterator[tuple[Any, int, int | None]]:
     socket of this process; the caller closes the duplicate."""
     import socket
 
-    for fd in _socket_fds():
+    for fd in socket_fds():
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -193,14 +170,3 @@ def _tcp_sockets() -> Iterator[tuple[Any, int, int | None]]:
         except OSError:
             peer = None
         yield sock, local, peer
-
-
-def _socket_fds() -> list[int]:
-    fds = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.append(int(name))
-        except OSError:
-            continue
-    return fds
