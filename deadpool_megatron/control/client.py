@@ -91,10 +91,10 @@ class ControlClient:
     # -- the connection of a generation's group rendezvous, opened ahead of need ----------
     def prepare_connection(self) -> None:
         """Open, in the background, the connection the next generation's groups will use.
-        torch's TCPStore client formats the peer address with a reverse name lookup when it
-        connects; where DNS drops a query that costs the resolver's 5 s timeout (seen here
-        in every 16-rank recovery, each rank connecting at once), so it is paid ahead of
-        time, never inside a recovery."""
+        torch's TCPStore client formats the server's address with a reverse name lookup
+        when it connects; where DNS drops a query that costs the resolver's 5 s timeout
+        (seen here in most 16-rank recoveries, every rank connecting at once), so it is paid
+        ahead of time, never inside a recovery."""
         with self._cond:
             if self._prepared is not None or self._preparing is not None:
                 return
@@ -115,17 +115,16 @@ class ControlClient:
 
     def take_connection(self) -> tuple[dist.Store, list[int]]:
         """A connection of its own (and its fds) for one generation's group rendezvous: the
-        prepared one (waiting for it if it is being opened), else one opened now; the next
-        is then prepared in the background."""
+        prepared one (waiting for it if it is being opened), else one opened now. The next
+        is prepared once the generation has formed (`prepare_connection`): the store server
+        too formats each new peer's address, on its only thread, so no connection is opened
+        while a generation forms."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while self._preparing is not None and time.monotonic() < deadline:
                 self._cond.wait(SHUTDOWN_CHECK_S)
             taken, self._prepared = self._prepared, None
-        if taken is None:
-            taken = self._open()
-        self.prepare_connection()
-        return taken
+        return taken if taken is not None else self._open()
 
     # -- the watcher thread, with its own connection ---------------------------------------
     def _watch_declarations(self) -> None:

@@ -35,3 +35,33 @@ def sockets_to(port: int) -> list[int]:
         finally:
             sock.close()
     return found
+
+
+def listening_fd(address: str, port: int, backlog: int = 1024) -> tuple[int, int]:
+    """A listening socket bound to `address` only (not every interface), in that address's
+    own family, for a TCPStore server (`master_listen_fd`); returns (fd, port).
+
+    torch's store server binds [::] when left to itself, so an IPv4 peer reaches it as a
+    v4-mapped IPv6 address, and the server formats every new peer with a reverse name
+    lookup that /etc/hosts cannot answer for such an address: a DNS query on the server's
+    only thread, 5 s where DNS drops it (seen here inside recoveries). Bound to an IPv4
+    address, the peer is plain IPv4."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        address, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICSERV)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(sockaddr)
+    sock.listen(backlog)
+    bound_port = sock.getsockname()[1]
+    return sock.detach(), bound_port  # the store server owns the fd from here on
+
+
+def store_server(address: str, port: int, timeout_s: float, world_size: int | None = None):
+    """A TCPStore server listening on `address` only (`listening_fd`); port 0 picks one."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    fd, bound = listening_fd(address, port)
+    return dist.TCPStore(address, bound, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)

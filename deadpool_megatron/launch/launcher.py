@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from deadpool_megatron.config import add_arguments, from_namespace
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.sockets import store_server
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.coordinator import Coordinator, EpochEnded
 from deadpool_megatron.launch.workers import LocalWorkers
@@ -92,9 +93,7 @@ class Launcher:
         if self.hot_swap:
             return self.root.port
         if self.cfg.node_rank == 0:
-            self._epoch_store = dist.TCPStore(self.cfg.master_addr, 0, is_master=True,
-                                              wait_for_workers=False,
-                                              timeout=timedelta(seconds=60))
+            self._epoch_store = store_server(self.cfg.master_addr, 0, timeout_s=60)
             self.root.set(keys.epoch_port(epoch), str(self._epoch_store.port))
             return self._epoch_store.port
         return int(self.root.get(keys.epoch_port(epoch)))
@@ -110,8 +109,7 @@ class Launcher:
         signal.set_wakeup_fd(write_end)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         if cfg.node_rank == 0:
-            self.root = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
-                                      wait_for_workers=False, timeout=timedelta(seconds=60))
+            self.root = store_server(cfg.master_addr, cfg.master_port, timeout_s=60)
             return self._run_host0()
         self.root = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=False,
                                   timeout=timedelta(seconds=cfg.join_timeout))

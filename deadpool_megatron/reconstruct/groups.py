@@ -97,6 +97,7 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
         torch.cuda.set_device(slot % torch.cuda.device_count())
     store = GenerationStore(ctl, generation)
     on_store(store)
+    laps("connection")
     job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
     dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,

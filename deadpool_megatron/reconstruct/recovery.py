@@ -273,6 +273,7 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
         return False
     member.engine.connect()
     laps("snapshot_group")
+    member.ctl.prepare_connection()  # the next generation's, in the background
     return True
 
 

@@ -13,11 +13,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-import torch.distributed as dist
+from deadpool_megatron.control.sockets import store_server
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
@@ -81,8 +80,7 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
             script: Path = PRETRAIN_GPT, env: dict[str, str] | None = None) -> JobResult:
     """Run `script args` as ranks 0..nproc-1; kill all of them on failure or timeout."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = store_server("127.0.0.1", 0, timeout_s, world_size=nproc + 1)
     base_env = {**os.environ, **(env or {})}
     base_env.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
