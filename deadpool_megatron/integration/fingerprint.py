@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
+from deadpool_megatron.integration.plain_gather import all_gather_plain
 
 
 def _hash_tensor(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
@@ -48,10 +49,8 @@ def combine(digests: list[bytes]) -> str:
 def job_fingerprint(model: list[Any], optimizer: Any, scheduler: Any, group: Any = None) -> str:
     """Collective over `group` (default: world); every rank gets the same hex digest."""
     digest = rank_digest(model, optimizer, scheduler)
-    world = torch.distributed.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    torch.distributed.all_gather_object(gathered, digest, group=group)
-    return combine(gathered)
+    gathered = all_gather_plain(digest.hex(), group=group)
+    return combine([bytes.fromhex(d) for d in gathered])
 
 
 def job_param_norm(model: list[Any], group: Any = None) -> float:

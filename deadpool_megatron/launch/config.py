@@ -18,7 +18,7 @@ class LaunchConfig:
     node_rank: int = field(default=0, metadata=flag(
         "This host's index; host 0 hosts the control plane."))
     master_addr: str = field(default="127.0.0.1", metadata=flag(
-        "Address of host 0 (the control plane)."))
+        "Address of host 0 (the control plane); host 0 listens on this address only."))
     master_port: int = field(default=0, metadata=flag(
         "Control-plane port (0 on host 0: pick a free one and print it)."))
     spares: int = field(default=0, metadata=flag(

@@ -34,6 +34,7 @@ from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState
 from deadpool_megatron.integration.model import forget_collective_caches
+from deadpool_megatron.integration.plain_gather import BadPeerData, all_gather_plain
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.memory import PeakRss
 from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
@@ -314,10 +315,14 @@ def _reachable(roots: list[Any]) -> list[Any]:
 def restore(member: Member) -> RecoveryPlan:
     """Collective over the new generation: agree on the plan, move the shards the spares
     need, and bring every rank to the target snapshot."""
-    gathered: list[Any] = [None] * member.world
     shard_bytes = member.engine.manifest.nbytes if member.engine.manifest else 0
-    dist.all_gather_object(gathered, (member.report(), shard_bytes))
-    reports = [g[0] for g in gathered]
+    try:
+        gathered = all_gather_plain([member.report().plain(), shard_bytes])
+        reports = [RankReport.from_plain(g[0]) for g in gathered]
+        sizes = [int(g[1]) for g in gathered]
+    except (BadPeerData, ValueError, TypeError, IndexError) as err:
+        raise CannotContinue(f"rank {member.rank}: a peer's recovery report is malformed "
+                             f"({err})") from None
     replaced = set(member.ctl.replaced(member.generation))
     num_mb = member.cfg.num_microbatches(member.world)
     plan = plan_recovery(reports, replaced, member.buddies(),
@@ -326,7 +331,7 @@ def restore(member: Member) -> RecoveryPlan:
     if plan.target == FRESH_START:
         build_fresh(member)
         return plan
-    _move_shards(member, plan, [g[1] for g in gathered])
+    _move_shards(member, plan, sizes)
     _apply(member, plan)
     return plan
 

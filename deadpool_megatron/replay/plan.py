@@ -25,6 +25,7 @@ The rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from deadpool_megatron.control.policy import RecoveryImpossible
 
@@ -63,6 +64,33 @@ class RankReport:
     grads_intact: bool  # live+1's micro-batches all accumulated, unreduced
     reached: int  # the last iteration it did any work on
     at_start: bool = False  # its live state is the job's starting state, nothing begun since
+
+    def plain(self) -> dict[str, Any]:
+        """As plain data, for the all-gather of the recovery (never pickled)."""
+        return {"own": list(self.own), "ward": list(self.ward), "live": self.live,
+                "grads_intact": self.grads_intact, "reached": self.reached,
+                "at_start": self.at_start}
+
+    @classmethod
+    def from_plain(cls, d: Any) -> "RankReport":
+        """Parse a peer's report; ValueError names what is malformed."""
+        def ints(x: Any) -> tuple[int, ...]:
+            if not isinstance(x, list) or not all(_is_int(i) for i in x):
+                raise ValueError(f"expected a list of iterations, got {x!r}")
+            return tuple(x)
+
+        if not isinstance(d, dict) or set(d) != {"own", "ward", "live", "grads_intact",
+                                                  "reached", "at_start"}:
+            raise ValueError(f"not a rank report: {d!r}")
+        if not (d["live"] is None or _is_int(d["live"])) or not _is_int(d["reached"]) or \
+                not isinstance(d["grads_intact"], bool) or not isinstance(d["at_start"], bool):
+            raise ValueError(f"malformed rank report: {d!r}")
+        return cls(ints(d["own"]), ints(d["ward"]), d["live"], d["grads_intact"], d["reached"],
+                   d["at_start"])
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 SPARE_REPORT = RankReport(own=(), ward=(), live=None, grads_intact=False, reached=-1)

@@ -33,6 +33,7 @@ from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
+from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum
@@ -185,9 +186,8 @@ class SnapshotEngine(TrainingHooks):
 
     def _start(self) -> None:
         """The first snapshot of a generation: size the ward buffer, start the worker."""
-        sizes: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(sizes, self.manifest.nbytes, group=self.group)
-        self.ensure_ward_buffer(sizes[self.ward])
+        sizes = all_gather_plain(self.manifest.nbytes, group=self.group)
+        self.ensure_ward_buffer(int(sizes[self.ward]))
         if self._cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),

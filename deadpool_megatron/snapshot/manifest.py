@@ -3,13 +3,15 @@
 The tensors: model parameters, then every optimizer state tensor (Adam moments, step) and
 every optimizer main parameter that is not the model parameter itself or a view into it
 (fp32 distributed-optimizer shards are views; copying them twice would waste bytes).
-The small objects (iteration, data position, scheduler, RNG streams) are pickled apart.
+The small objects (iteration, data position, scheduler, RNG streams) are serialized apart,
+as tensors and plain data only: a copy received from a buddy is never unpickled as
+arbitrary objects.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +88,16 @@ def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool
 
 
 def pack_objects(objects: dict[str, Any]) -> bytes:
-    """Pickle the small state (tensors inside are cloned so later mutation cannot leak in)."""
+    """Serialize the small state: tensors and plain data (numbers, strings, lists, dicts)."""
     buf = io.BytesIO()
     torch.save(objects, buf)
     return buf.getvalue()
 
 
 def unpack_objects(blob: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(blob), weights_only=False)
+    """The small state back; anything but tensors and plain data is refused (torch's
+    weights-only loader), so a corrupt or forged copy cannot run code here."""
+    return torch.load(io.BytesIO(blob), weights_only=True)
 
 
 def copy_into(manifest: Manifest, flat: torch.Tensor, non_blocking: bool = False) -> None:
@@ -110,6 +114,6 @@ def restore_from(manifest: Manifest, flat: torch.Tensor) -> None:
             t.copy_(flat[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape))
 
 
-def layout_signature(manifest: Manifest) -> bytes:
+def layout_signature(manifest: Manifest) -> str:
     """Names and sizes: a restore checks it so a mismatched layout is refused, not misread."""
-    return pickle.dumps([(e.name, e.offset, e.nbytes) for e in manifest.entries])
+    return json.dumps([(e.name, e.offset, e.nbytes) for e in manifest.entries])

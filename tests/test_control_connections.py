@@ -1,0 +1,74 @@
+"""The control plane's connections: the store server listens on the address it is given
+only, and a generation's group rendezvous gets a connection opened ahead of need, whose
+sockets (and only those) a newer declaration cuts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from deadpool_megatron.control.sockets import store_server
+from deadpool_megatron.testing.jobs import REPO
+
+
+def test_the_store_listens_on_the_given_address_only() -> None:
+    server = store_server("127.0.0.1", 0, timeout_s=10)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                           timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    with pytest.raises(OSError):  # not bound to [::]: the IPv6 loopback is not served
+        socket.create_connection(("::1", server.port), timeout=2).close()
+
+
+# In a process of its own: the client's watcher thread sits in a store wait, which must not
+# outlive the server at interpreter exit.
+TAKE = r"""
+import os, socket, time
+import torch.distributed as dist
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.control.sockets import sockets_to, store_server
+
+server = store_server("127.0.0.1", 0, timeout_s=10)
+dist.PrefixStore(keys.epoch_prefix(0), server).set(keys.GENERATION, "0")
+ctl = ControlClient("127.0.0.1", server.port, "w0", timeout_s=10)
+first, first_fds = ctl.take_connection()  # generation 0's, prepared at start
+opened = []
+real_open = ctl._open
+ctl._open = lambda: opened.append(1) or real_open()
+before = set(sockets_to(server.port))
+ctl.prepare_connection()  # as when a generation has formed
+deadline = time.monotonic() + 10
+while len(set(sockets_to(server.port)) - before) < 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+appeared = set(sockets_to(server.port)) - before
+time.sleep(0.1)
+n_open = len(opened)
+nxt, nxt_fds = ctl.take_connection()  # the next generation's: nothing opens now
+assert len(opened) == n_open == 1, opened
+assert len(first_fds) == 1 and set(nxt_fds) == appeared and len(appeared) == 1, (first_fds, nxt_fds, appeared)
+first.set("k", "v")
+cut = socket.socket(fileno=nxt_fds[0])  # what a newer declaration does to it
+cut.shutdown(socket.SHUT_RDWR)
+cut.detach()
+try:
+    nxt.get("k")
+    raise AssertionError("a cut connection still answered")
+except dist.DistError:
+    pass
+assert first.get("k") == b"v" and ctl.store.get(keys.GENERATION) == b"0"  # others untouched
+print("ok", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_generation_takes_the_connection_prepared_for_it() -> None:
+    run = subprocess.run([sys.executable, "-c", TAKE], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
