@@ -209,25 +209,33 @@ class ControlClient:
         """Survivors after an error: block until the launcher declares a newer generation."""
         return self._wait_declared_after(generation, self.timeout_s)
 
-    def rendezvous(self, generation: int, world_size: int, rank: int) -> bool:
+    def rendezvous(self, generation: int, world_size: int, rank: int,
+                   waiter: dist.Store | None = None) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
-        The last to join writes the ready key, which everyone else is blocked on. Only the
-        worker the generation's membership names for `rank` may join as it: a worker
-        declared lost that wakes up later (a frozen process, a partitioned host) is refused
-        (NotAMember), so it can never take a rank's place or fill the barrier."""
+        The last to join writes the ready key, which everyone else is blocked on, on
+        `waiter`: the generation's own connection, which a newer declaration cuts (so the
+        wait ends at once, with no polling), else the main one. Only the worker the
+        generation's membership names for `rank` may join as it: a worker declared lost
+        that wakes up later (a frozen process, a partitioned host) is refused (NotAMember),
+        so it can never take a rank's place or fill the barrier."""
         holder = self.members(generation).get(rank)
         if holder != self.worker:
             raise NotAMember(f"worker {self.worker} may not join generation {generation} as "
                              f"rank {rank}: the membership names {holder}")
         if self.store.add(keys.joined(generation), 1) >= world_size:
             self.store.set(keys.ready(generation), "1")
+        waiter = waiter if waiter is not None else self.store
+        check = RENDEZVOUS_CHECK_S if waiter is self.store else SHUTDOWN_CHECK_S
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                self.store.wait([keys.ready(generation)], timedelta(seconds=RENDEZVOUS_CHECK_S))
+                waiter.wait([keys.ready(generation)], timedelta(seconds=check))
                 return True
-            except dist.DistStoreError:
+            except dist.DistStoreError:  # timed out
                 pass
+            except dist.DistNetworkError:  # cut: by a newer declaration, or the store is gone
+                if self._latest == generation:
+                    raise
             if self._latest != generation:
                 return False
             self.check_shutdown()

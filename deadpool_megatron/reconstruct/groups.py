@@ -48,14 +48,15 @@ REBUILD_TIMEOUT_S = 60.0  # groups being created wait this long at most for a pe
 
 
 class GenerationStore:
-    """A store connection of its own for one generation's group rendezvous.
+    """A store connection of its own for one generation's rendezvous and groups.
 
-    A rank creating a group waits in the store for each peer's address. If a peer dies
-    before publishing it, the wait would last the whole process-group timeout; a newer
-    declaration cuts this connection instead (`cut`), and the wait fails at once."""
+    A rank waits in the store for its peers to join, then, creating each group, for each
+    peer's address. If a peer dies meanwhile, the wait would last the whole timeout; a
+    newer declaration cuts this connection instead (`cut`), and the wait fails at once."""
 
     def __init__(self, ctl: ControlClient, generation: int) -> None:
         client, self.fds = ctl.take_connection()
+        self.control = dist.PrefixStore(keys.epoch_prefix(ctl.epoch), client)
         self.store = dist.PrefixStore(keys.epoch_prefix(ctl.epoch) + keys.pg_prefix(generation),
                                       client)
 
@@ -87,7 +88,10 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     """
     from deadpool_megatron.integration.distributed import init_megatron_groups
 
-    if not ctl.rendezvous(generation, world_size, rank):
+    store = GenerationStore(ctl, generation)
+    on_store(store)
+    laps("connection")
+    if not ctl.rendezvous(generation, world_size, rank, waiter=store.control):
         return False
     laps("rendezvous")
     if cfg.distributed_backend == "nccl":
@@ -95,9 +99,6 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
         # takes; an active worker's slot is its local rank.
         slot = int(os.environ.get("DEADPOOL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(slot % torch.cuda.device_count())
-    store = GenerationStore(ctl, generation)
-    on_store(store)
-    laps("connection")
     job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
     dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,
