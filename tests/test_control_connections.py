@@ -72,3 +72,10 @@ def test_a_generation_takes_the_connection_prepared_for_it() -> None:
     run = subprocess.run([sys.executable, "-c", TAKE], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def test_a_loopback_master_address_is_recognised() -> None:
+    from deadpool_megatron.control.sockets import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost")
+    assert not is_loopback("192.0.2.1")  # TEST-NET-1: a network address, never loopback

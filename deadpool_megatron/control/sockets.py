@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -65,3 +66,13 @@ def store_server(address: str, port: int, timeout_s: float, world_size: int | No
     fd, bound = listening_fd(address, port)
     return dist.TCPStore(address, bound, world_size, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+
+
+def is_loopback(address: str) -> bool:
+    """`address` resolves here to a loopback address (127.x, ::1), as a host's own name
+    often does in /etc/hosts: a server bound to it is unreachable from other machines."""
+    try:
+        info = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return any(ipaddress.ip_address(i[4][0]).is_loopback for i in info)

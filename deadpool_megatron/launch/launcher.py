@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from deadpool_megatron.config import add_arguments, from_namespace
 from deadpool_megatron.control import keys
-from deadpool_megatron.control.sockets import store_server
+from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.coordinator import Coordinator, EpochEnded
 from deadpool_megatron.launch.workers import LocalWorkers
@@ -110,6 +110,10 @@ class Launcher:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         if cfg.node_rank == 0:
             self.root = store_server(cfg.master_addr, cfg.master_port, timeout_s=60)
+            if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
+                log.warning("deadpool-launch: host 0 listens on %s only (--master-addr), a "
+                            "loopback address: hosts on other machines cannot reach it; pass "
+                            "host 0's network address", cfg.master_addr)
             return self._run_host0()
         self.root = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=False,
                                   timeout=timedelta(seconds=cfg.join_timeout))
