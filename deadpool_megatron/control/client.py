@@ -25,7 +25,6 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.sockets import sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
-RENDEZVOUS_CHECK_S = 0.05  # how often a rendezvous looks for a newer declaration
 SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
 
 
@@ -210,11 +209,11 @@ class ControlClient:
         return self._wait_declared_after(generation, self.timeout_s)
 
     def rendezvous(self, generation: int, world_size: int, rank: int,
-                   waiter: dist.Store | None = None) -> bool:
+                   waiter: dist.Store) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
         The last to join writes the ready key, which everyone else is blocked on, on
-        `waiter`: the generation's own connection, which a newer declaration cuts (so the
-        wait ends at once, with no polling), else the main one. Only the worker the
+        `waiter`: the generation's own connection, which a newer declaration cuts, so the
+        wait ends at once (the timeout only bounds a missed cut). Only the worker the
         generation's membership names for `rank` may join as it: a worker declared lost
         that wakes up later (a frozen process, a partitioned host) is refused (NotAMember),
         so it can never take a rank's place or fill the barrier."""
@@ -224,12 +223,10 @@ class ControlClient:
                              f"rank {rank}: the membership names {holder}")
         if self.store.add(keys.joined(generation), 1) >= world_size:
             self.store.set(keys.ready(generation), "1")
-        waiter = waiter if waiter is not None else self.store
-        check = RENDEZVOUS_CHECK_S if waiter is self.store else SHUTDOWN_CHECK_S
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                waiter.wait([keys.ready(generation)], timedelta(seconds=check))
+                waiter.wait([keys.ready(generation)], timedelta(seconds=SHUTDOWN_CHECK_S))
                 return True
             except dist.DistStoreError:  # timed out
                 pass
