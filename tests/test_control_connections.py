@@ -35,9 +35,11 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
 from deadpool_megatron.control.sockets import sockets_to, store_server
 
+from deadpool_megatron.control.auth import SignedStore
+
 server = store_server("127.0.0.1", 0, timeout_s=10)
-dist.PrefixStore(keys.epoch_prefix(0), server).set(keys.GENERATION, "0")
-ctl = ControlClient("127.0.0.1", server.port, "w0", timeout_s=10)
+SignedStore(server, "t" * 32, keys.epoch_prefix(0)).set(keys.members(0), "{}")
+ctl = ControlClient("127.0.0.1", server.port, "w0", timeout_s=10, token="t" * 32)
 first, first_fds = ctl.take_connection()  # generation 0's, prepared at start
 opened = []
 real_open = ctl._open
@@ -62,7 +64,7 @@ try:
     raise AssertionError("a cut connection still answered")
 except dist.DistError:
     pass
-assert first.get("k") == b"v" and ctl.store.get(keys.GENERATION) == b"0"  # others untouched
+assert first.get("k") == b"v" and ctl.store.read(keys.members(0)) == b"{}"  # others untouched
 print("ok", flush=True)
 os._exit(0)
 """

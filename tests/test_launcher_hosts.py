@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
-from deadpool_megatron.testing.jobs import REPO, JobResult, run_hosts
+from deadpool_megatron.testing.jobs import REPO, JobResult, job_token_file, run_hosts
 
 pytestmark = pytest.mark.multiproc
 WORKER = REPO / "deadpool_megatron" / "testing" / "control_worker.py"
@@ -71,7 +71,10 @@ def test_checkpoint_fallback_restarts_every_host(tmp_path: Path) -> None:
 
 
 def test_a_host_that_never_joins_ends_the_job_with_its_name(tmp_path: Path) -> None:
-    hosts = [["--nproc-per-node", "2", "--nnodes", "2", "--join-timeout", "3", *HB]]
+    (tmp_path / "alone").mkdir()
+    token = str(job_token_file(tmp_path / "alone"))
+    hosts = [["--nproc-per-node", "2", "--nnodes", "2", "--join-timeout", "3",
+              "--job-token-file", token, *HB]]
     run = run_hosts(hosts, ["--deadpool", "--seconds", "30"], tmp_path / "alone",
                     timeout_s=120, script=WORKER)
     assert run.returncodes == [1] and not run.timed_out, run.describe()
@@ -83,6 +86,7 @@ def test_a_host_that_never_joins_ends_the_job_with_its_name(tmp_path: Path) -> N
     ({"node_rank": 2, "nnodes": 2, "master_port": 29500}, "--node-rank 2 must be in"),
     ({"nproc_per_node": 6, "logical_nodes": 4}, "--logical-nodes 4 must divide"),
     ({"spares": -1}, "--spares must be non-negative"),
+    ({"nnodes": 2}, "--nnodes 2 needs --job-token-file"),
 ])
 def test_bad_launch_flags_say_what_to_change(kw: dict, expected: str) -> None:
     with pytest.raises(LaunchError, match=re.escape(expected)):

@@ -22,10 +22,12 @@ from typing import Callable
 import torch.distributed as dist
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.auth import SignedStore, token_from_env
 from deadpool_megatron.control.sockets import sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
 SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
+FORGED_RECHECK_S = 0.05  # a key holding an unauthenticated value is read again this often
 
 
 class NotAMember(RuntimeError):
@@ -40,9 +42,10 @@ class ControlClient:
     """One per worker process; built from the launcher's environment."""
 
     def __init__(self, host: str, port: int, worker: str, timeout_s: float,
-                 epoch: int = 0) -> None:
+                 token: str, epoch: int = 0) -> None:
         self.worker = worker
         self.epoch = epoch
+        self.token = token
         self.timeout_s = timeout_s
         self.host, self.port = host, port
         self._opening = threading.Lock()  # one connection opened at a time (see _open)
@@ -50,7 +53,7 @@ class ControlClient:
         self._preparing: threading.Thread | None = None
         self.store = self._connect()
         self._cond = threading.Condition()
-        self._latest = int(self.store.get(keys.GENERATION))  # newest declared generation
+        self._latest = self._newest_declared()  # newest declared generation
         self._watch_gen = -1
         self._on_new_generation: Callable[[int], None] | None = None
         self._stop = threading.Event()
@@ -67,16 +70,28 @@ class ControlClient:
             return None
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), worker,
                    float(os.environ.get("DEADPOOL_CONTROL_TIMEOUT_S", "300")),
-                   int(os.environ.get("DEADPOOL_EPOCH", "0")))
+                   token_from_env(), int(os.environ.get("DEADPOOL_EPOCH", "0")))
 
     @property
     def is_spare(self) -> bool:
         return self.worker.startswith("s")
 
-    def _connect(self) -> dist.Store:
+    def _connect(self) -> SignedStore:
         """This epoch's view of the launcher's store (a restart opens a fresh one)."""
         store, _ = self._open()
-        return dist.PrefixStore(keys.epoch_prefix(self.epoch), store)
+        return self.signed(store)
+
+    def signed(self, connection: dist.Store) -> SignedStore:
+        """This epoch's keys on `connection`, values signed with the job token."""
+        return SignedStore(connection, self.token, keys.epoch_prefix(self.epoch))
+
+    def _newest_declared(self) -> int:
+        """The newest generation whose membership carries the job token."""
+        generation = 0
+        while self.store.check([keys.members(generation + 1)]) and \
+                self.store.read(keys.members(generation + 1)) is not None:
+            generation += 1
+        return generation
 
     def _open(self) -> tuple[dist.Store, list[int]]:
         """A new connection to the launcher's store and its socket fds. Openings never
@@ -134,6 +149,9 @@ class ControlClient:
         while not self._stop.is_set():
             try:
                 store.wait([keys.members(seen + 1)], timedelta(seconds=self.timeout_s))
+                if store.read(keys.members(seen + 1)) is None:  # forged: not a declaration
+                    self._stop.wait(FORGED_RECHECK_S)
+                    continue
             except dist.DistStoreError:
                 continue  # no declaration within the timeout: keep waiting
             except Exception:  # noqa: BLE001 - the launcher is gone
@@ -166,18 +184,33 @@ class ControlClient:
         self._stop.set()
 
     # -- queries --------------------------------------------------------------------------
+    def _authentic(self, key: str, absent_ok: bool) -> bytes | None:
+        """The authenticated value of a key host 0 writes; while it holds a forged one
+        (which host 0's write replaces), wait, within the control timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if absent_ok and not self.store.check([key]):
+                return None
+            value = self.store.read(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker}: {key} holds no value carrying the "
+                                   f"job token after {self.timeout_s:.0f} s")
+            time.sleep(FORGED_RECHECK_S)
+
     def members(self, generation: int) -> dict[int, str]:
-        return {int(r): w for r, w in json.loads(self.store.get(keys.members(generation))).items()}
+        return _rank_map(self._authentic(keys.members(generation), absent_ok=False))
 
     def replaced(self, generation: int) -> dict[int, str]:
-        if not self.store.check([keys.replaced(generation)]):
-            return {}
-        return {int(r): w for r, w in json.loads(self.store.get(keys.replaced(generation))).items()}
+        value = self._authentic(keys.replaced(generation), absent_ok=True)
+        return {} if value is None else _rank_map(value)
 
     def check_shutdown(self) -> None:
         """Raise JobShutdown if the launcher has ended the job."""
-        if self.store.check([keys.SHUTDOWN]):
-            raise JobShutdown(self.store.get(keys.SHUTDOWN).decode())
+        reason = self.store.read(keys.SHUTDOWN)
+        if reason is not None:
+            raise JobShutdown(reason.decode(errors="replace"))
 
     def _wait_declared_after(self, generation: int, timeout_s: float) -> int:
         """Block until a generation after `generation` is declared; return the newest."""
@@ -209,7 +242,7 @@ class ControlClient:
         return self._wait_declared_after(generation, self.timeout_s)
 
     def rendezvous(self, generation: int, world_size: int, rank: int,
-                   waiter: dist.Store) -> bool:
+                   waiter: SignedStore) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
         The last to join writes the ready key, which everyone else is blocked on, on
         `waiter`: the generation's own connection, which a newer declaration cuts, so the
@@ -227,7 +260,9 @@ class ControlClient:
         while True:
             try:
                 waiter.wait([keys.ready(generation)], timedelta(seconds=SHUTDOWN_CHECK_S))
-                return True
+                if waiter.read(keys.ready(generation)) is not None:
+                    return True
+                time.sleep(FORGED_RECHECK_S)  # forged: wait for the real last joiner's
             except dist.DistStoreError:  # timed out
                 pass
             except dist.DistNetworkError:  # cut: by a newer declaration, or the store is gone
@@ -248,3 +283,8 @@ class ControlClient:
 
     def mark_done(self) -> None:
         self.store.set(keys.done(self.worker), "1")
+
+
+def _rank_map(value: bytes) -> dict[int, str]:
+    """{rank: worker id} from host 0's JSON (authenticated, so well-formed)."""
+    return {int(r): str(w) for r, w in json.loads(value).items()}

@@ -37,6 +37,10 @@ class LaunchConfig:
         "Seconds workers get to exit after the job ends."))
     join_timeout: float = field(default=300.0, metadata=flag(
         "Seconds a host waits for the control plane of host 0."))
+    job_token_file: str | None = field(default=None, metadata=flag(
+        "File holding the job token (the same file on every host, readable by its owner "
+        "only) that authenticates control-plane writes; needed with --nnodes > 1. A "
+        "single-host job makes a random one."))
 
     @property
     def world_size(self) -> int:
@@ -61,6 +65,11 @@ class LaunchConfig:
         if self.logical_nodes <= 0 or self.nproc_per_node % self.logical_nodes:
             raise LaunchError(f"--logical-nodes {self.logical_nodes} must divide "
                               f"--nproc-per-node {self.nproc_per_node}")
+        if self.nnodes > 1 and not self.job_token_file:
+            raise LaunchError(f"--nnodes {self.nnodes} needs --job-token-file: the same "
+                              f"secret file on every host (e.g. `umask 077; openssl rand -hex "
+                              f"32 > $HOME/.deadpool_token`), which authenticates the hosts' "
+                              f"control-plane writes")
         for name in ("heartbeat_timeout", "shutdown_timeout", "join_timeout"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"--{name.replace('_', '-')} must be positive")

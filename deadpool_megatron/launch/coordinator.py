@@ -14,9 +14,8 @@ import json
 import logging
 import time
 
-import torch.distributed as dist
-
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
 from deadpool_megatron.control.policy import RecoveryImpossible, assign_spares, check_recoverable
 from deadpool_megatron.launch.config import LaunchConfig
@@ -43,7 +42,7 @@ class EpochEnded(Exception):
 
 
 class Coordinator:
-    def __init__(self, cfg: LaunchConfig, store: dist.Store, ranks_per_node: int,
+    def __init__(self, cfg: LaunchConfig, store: SignedStore, ranks_per_node: int,
                  allow_same_node: bool, events: EventLog, hot_swap: bool = True) -> None:
         self.cfg, self.store, self.events = cfg, store, events
         self.hot_swap = hot_swap  # the workers run --deadpool
@@ -75,8 +74,8 @@ class Coordinator:
         if exits != self._exits_seen:
             self._exits_seen = exits
             for worker in [*self.current.values(), *self.spares]:
-                if worker not in self.gone and self.store.check([keys.exit_report(worker)]):
-                    rc = int(self.store.get(keys.exit_report(worker)))
+                rc = None if worker in self.gone else self._exit_code(worker)
+                if rc is not None:
                     if rc == 0:  # finished, with or without --deadpool: never a failure
                         self.gone.add(worker)
                         self.finished.add(worker)
@@ -97,8 +96,8 @@ class Coordinator:
         if len(self.hosts_seen) == self.cfg.nnodes:
             return
         for host in range(self.cfg.nnodes):
-            if host not in self.hosts_seen and self.store.check([keys.node_spares(host)]):
-                spares = json.loads(self.store.get(keys.node_spares(host)))
+            spares = None if host in self.hosts_seen else self._spares_of(host)
+            if spares is not None:
                 n = self.cfg.nproc_per_node
                 self.hosts_seen[host] = [f"w{r}" for r in range(host * n, (host + 1) * n)]
                 self.hosts_seen[host] += spares
@@ -109,12 +108,54 @@ class Coordinator:
                                 f"{self.cfg.join_timeout:.0f} s; start one deadpool-launch "
                                 f"per host with --master-addr/--master-port of host 0")
 
+    # -- what the hosts wrote: authenticated (control/auth.py) and parsed, never trusted ----
+    def _exit_code(self, worker: str) -> int | None:
+        value = self.store.read(keys.exit_report(worker))
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            log.warning("deadpool-launch: ignored a malformed exit report of %s: %r", worker,
+                        value[:80])
+            return None
+
+    def _spares_of(self, host: int) -> list[str] | None:
+        """The spare ids a host registered (each must name that host), or None."""
+        value = self.store.read(keys.node_spares(host))
+        if value is None:
+            return None
+        try:
+            spares = json.loads(value)
+            if isinstance(spares, list) and all(isinstance(s, str) and
+                                                s.startswith(f"s{host}.") for s in spares):
+                return spares
+        except ValueError:
+            pass
+        log.warning("deadpool-launch: ignored a malformed spare list of host %d: %r", host,
+                    value[:80])
+        return None
+
+    def _host_report(self, host: int, raw: bytes | None) -> dict | None:
+        if raw is None:
+            return None
+        try:
+            report = json.loads(raw)
+            if isinstance(report, dict) and isinstance(report.get("seq"), int) \
+                    and isinstance(report.get("workers"), dict):
+                return report
+        except ValueError:
+            pass
+        log.warning("deadpool-launch: ignored a malformed report of host %d: %r", host,
+                    raw[:80])
+        return None
+
     def live_hosts(self) -> set[int]:
         """Hosts that joined and were not lost as a whole."""
         return set(self.hosts_seen) - self.lost_hosts
 
     def _done(self, worker: str) -> bool:
-        return self.store.check([keys.done(worker)])
+        return self.store.read(keys.done(worker)) is not None
 
     def _lost(self, worker: str, now: float, how: str, returncode: int | None = None,
               detail: str = "", stalled_s: float = 0.0) -> None:
@@ -143,8 +184,8 @@ class Coordinator:
 
     def _reported(self, worker: str) -> str:
         """What the worker said of its own failure before leaving (empty if nothing)."""
-        key = keys.failure_report(worker)
-        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+        value = self.store.read(keys.failure_report(worker))
+        return "" if value is None else value.decode(errors="replace")
 
     def _scan_hosts(self, now: float) -> None:
         """One read of every host's report: a host whose reports stopped is lost with its
@@ -155,22 +196,30 @@ class Coordinator:
             return
         views = []
         members = set(self.current.values())
-        for host, raw in zip(hosts, self.store.multi_get([keys.host_report(h) for h in hosts])):
-            report = json.loads(raw)
+        raws = self.store.read_many([keys.host_report(h) for h in hosts])
+        for host, raw in zip(hosts, raws):
+            report = self._host_report(host, raw)
             seq, since = self._host_seq.get(host, (-1, now))
-            if report["seq"] != seq:
+            if report is not None and report["seq"] != seq:
                 self._host_seq[host] = (report["seq"], now)
             elif now - since > self.cfg.heartbeat_timeout:
                 self._lose_host(host, now)
                 continue
+            if report is None:
+                continue
             for worker, v in report["workers"].items():
                 if worker in members and worker not in self.gone and not self._done(worker):
-                    views.append(WorkerView(
-                        worker=worker, generation=v["g"], counter=v["c"],
-                        stalled_s=self._stalled_s(v, now),
-                        timeout_s=hang_timeout(v["to"], v["itn"]), monitor_age_s=v["mon"],
-                        where=v["wh"], long_operation=v["long"], os_state=v["os"],
-                        phase=v["ph"]))
+                    try:
+                        views.append(WorkerView(
+                            worker=worker, generation=int(v["g"]), counter=int(v["c"]),
+                            stalled_s=self._stalled_s(v, now),
+                            timeout_s=hang_timeout(float(v["to"]), float(v["itn"])),
+                            monitor_age_s=float(v["mon"]), where=int(v["wh"]),
+                            long_operation=bool(v["long"]), os_state=str(v["os"]),
+                            phase=str(v["ph"])))
+                    except (KeyError, TypeError, ValueError):
+                        log.warning("deadpool-launch: ignored a malformed view of %s from "
+                                    "host %d", worker, host)
         if self.failed:
             return  # a declaration is due: the stalls it explains end with it
         verdict = find_hung(views)
@@ -193,8 +242,8 @@ class Coordinator:
         """How long a worker has made no progress. A worker still in an older generation
         has had only since the newest declaration to move on: waiting for that declaration
         was not its stall."""
-        stalled = view["st"]
-        if view["g"] < self.generation:
+        stalled = float(view["st"])
+        if int(view["g"]) < self.generation:
             stalled = min(stalled, now - self.declared_at)
         return stalled
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from deadpool_megatron.config import add_arguments, from_namespace
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
 from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.coordinator import Coordinator, EpochEnded
@@ -45,8 +46,9 @@ def _flag_value(args: Sequence[str], name: str) -> str | None:
 
 
 class Launcher:
-    def __init__(self, cfg: LaunchConfig, script: str, script_args: Sequence[str]) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: LaunchConfig, script: str, script_args: Sequence[str],
+                 token: str) -> None:
+        self.cfg, self.token = cfg, token
         self.cmd = [sys.executable, "-u", script, *script_args]
         # The workers' failure domains: --deadpool-ranks-per-node if the job sets it, else
         # the launcher's (logical) hosts, passed to the workers as LOCAL_WORLD_SIZE.
@@ -59,6 +61,7 @@ class Launcher:
         self._epoch_store: dist.TCPStore | None = None  # host 0, without --deadpool
         self.save_dir = _flag_value(script_args, "--save")
         self.root: dist.TCPStore | None = None
+        self.control: SignedStore | None = None  # the root keys (epochs, the end), signed
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
         self._wake: int | None = None  # read end of the SIGCHLD wake-up pipe
 
@@ -81,7 +84,7 @@ class Launcher:
             pass
 
     def _workers(self, epoch: int) -> LocalWorkers:
-        store = dist.PrefixStore(keys.epoch_prefix(epoch), self.root)
+        store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
                             self.ranks_per_node, epoch)
 
@@ -94,9 +97,18 @@ class Launcher:
             return self.root.port
         if self.cfg.node_rank == 0:
             self._epoch_store = store_server(self.cfg.master_addr, 0, timeout_s=60)
-            self.root.set(keys.epoch_port(epoch), str(self._epoch_store.port))
+            self.control.set(keys.epoch_port(epoch), str(self._epoch_store.port))
             return self._epoch_store.port
-        return int(self.root.get(keys.epoch_port(epoch)))
+        return int(self._authentic(keys.epoch_port(epoch)))
+
+    def _authentic(self, key: str) -> bytes:
+        """A root key host 0 writes (waiting while it is unset or forged)."""
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while (value := self.control.read(key)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no authenticated {key} within --join-timeout")
+            time.sleep(0.05)
+        return value
 
     def run(self) -> int:
         cfg = self.cfg
@@ -110,6 +122,7 @@ class Launcher:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         if cfg.node_rank == 0:
             self.root = store_server(cfg.master_addr, cfg.master_port, timeout_s=60)
+            self.control = SignedStore(self.root, self.token)
             if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
                 log.warning("deadpool-launch: host 0 listens on %s only (--master-addr), a "
                             "loopback address: hosts on other machines cannot reach it; pass "
@@ -117,6 +130,7 @@ class Launcher:
             return self._run_host0()
         self.root = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=False,
                                   timeout=timedelta(seconds=cfg.join_timeout))
+        self.control = SignedStore(self.root, self.token)
         try:
             return self._run_other_host()
         except dist.DistError as err:
@@ -139,7 +153,7 @@ class Launcher:
                         "restarting all %d workers with --load", self.save_dir,
                         self.cfg.world_size)
             events.emit("checkpoint_fallback", save=self.save_dir, attempt=epoch + 1)
-        self.root.set(keys.END, str(rc))
+        self.control.set(keys.END, str(rc))
         self._wait_for_byes()
         return rc
 
@@ -149,7 +163,7 @@ class Launcher:
         coordinator = Coordinator(cfg, workers.store, self.ranks_per_node,
                                   self.allow_same_node, events, self.hot_swap)
         coordinator.open()
-        self.root.set(keys.EPOCH, str(epoch))  # the other hosts start their workers now
+        self.control.set(keys.EPOCH, str(epoch))  # the other hosts start their workers now
         spares = workers.start()
         log.info("deadpool-launch: epoch %d: %d workers on %d host(s) (%d per host, %d "
                  "failure domains of %d ranks), %d warm spares here; control plane on %s:%d",
@@ -178,7 +192,8 @@ class Launcher:
         host lost as a whole is not waited for)."""
         deadline = time.monotonic() + self.cfg.shutdown_timeout
         others = [keys.bye(n) for n in sorted(self.joined_hosts - {0})]
-        while others and not self.root.check(others) and time.monotonic() < deadline:
+        while others and time.monotonic() < deadline:
+            others = [key for key in others if self.control.read(key) is None]
             time.sleep(0.05)
 
     # -- every other host ---------------------------------------------------------------
@@ -187,7 +202,7 @@ class Launcher:
         while True:
             epoch, end = self._next_epoch(epoch)
             if end is not None:
-                self.root.set(keys.bye(cfg.node_rank), "1")
+                self.control.set(keys.bye(cfg.node_rank), "1")
                 return end
             workers = self._workers(epoch)
             try:
@@ -195,7 +210,7 @@ class Launcher:
                 log.info("deadpool-launch: host %d, epoch %d: ranks %d..%d and %d warm "
                          "spares started", cfg.node_rank, epoch, cfg.local_ranks()[0],
                          cfg.local_ranks()[-1], len(spares))
-                while not workers.store.check([keys.SHUTDOWN]):
+                while workers.store.read(keys.SHUTDOWN) is None:
                     workers.poll()
                     self._tick()
                 workers.poll()
@@ -208,14 +223,29 @@ class Launcher:
         """Wait for host 0 to open an epoch after `epoch` or end the job: (epoch, end)."""
         deadline = time.monotonic() + self.cfg.join_timeout
         while time.monotonic() < deadline:
-            if self.root.check([keys.END]):
-                return epoch, int(self.root.get(keys.END))
-            if self.root.check([keys.EPOCH]) and int(self.root.get(keys.EPOCH)) > epoch:
-                return int(self.root.get(keys.EPOCH)), None
+            end, opened = _as_int(self.control.read(keys.END)), \
+                _as_int(self.control.read(keys.EPOCH))
+            if end is not None:
+                return epoch, end
+            if opened is not None and opened > epoch:
+                return opened, None
             time.sleep(0.05)
         log.error("deadpool-launch: host %d: host 0 opened no epoch after %d within "
                   "--join-timeout %.0f s", self.cfg.node_rank, epoch, self.cfg.join_timeout)
         return epoch, 1
+
+
+def _as_int(value: bytes | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        log.warning("deadpool-launch: ignored a malformed value %r", value[:80])
+        return None
+
+
+def _job_token(cfg: LaunchConfig) -> str:
+    """--job-token-file's token; a single-host job makes its own."""
+    return read_token_file(cfg.job_token_file) if cfg.job_token_file else new_token()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchError(f"--spares {cfg.spares} needs --deadpool on the training script "
                               f"(spares take failed ranks only with hot-swap); add --deadpool "
                               f"or launch with --spares 0")
-    except LaunchError as err:
+        token = _job_token(cfg)
+    except (LaunchError, TokenError) as err:
         parser.error(str(err))  # exit status 2, like every other bad flag
-    return Launcher(cfg, ns.script, ns.script_args).run()
+    return Launcher(cfg, ns.script, ns.script_args, token).run()

@@ -21,9 +21,8 @@ import tempfile
 import time
 from typing import Sequence
 
-import torch.distributed as dist
-
-from deadpool_megatron.control import keys, progress
+from deadpool_megatron.control import auth, keys, progress
+from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.launch.child import die_with_parent
 from deadpool_megatron.launch.config import LaunchConfig
 
@@ -40,7 +39,7 @@ def spare_ids(node: int, count: int) -> list[str]:
 class LocalWorkers:
     """The processes this host started in one epoch, keyed by worker id."""
 
-    def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: dist.Store,
+    def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: SignedStore,
                  master_port: int, ranks_per_node: int, epoch: int) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
@@ -62,7 +61,8 @@ class LocalWorkers:
                progress.ENV: os.path.join(self.progress_dir, worker),
                "DEADPOOL_EPOCH": str(self.epoch), "DEADPOOL_LAUNCHER_PID": str(os.getpid()),
                # A spare keeps the device it was started on, whatever rank it takes.
-               "DEADPOOL_DEVICE_SLOT": str(slot), "LOCAL_RANK": str(slot)}
+               "DEADPOOL_DEVICE_SLOT": str(slot), "LOCAL_RANK": str(slot),
+               auth.ENV: self.store.token}
         if rank is not None:
             env["RANK"] = str(rank)
         return env
@@ -101,10 +101,11 @@ class LocalWorkers:
         if kills != self._kills_seen:
             self._kills_seen = kills
             for worker, proc in self.procs.items():
-                if proc.poll() is None and worker not in self._kill_at \
-                        and self.store.check([keys.kill_request(worker)]):
+                why = None if proc.poll() is not None or worker in self._kill_at \
+                    else self.store.read(keys.kill_request(worker))
+                if why is not None:
                     log.warning("deadpool-launch: killing worker %s (asked by host 0: %s)",
-                                worker, self.store.get(keys.kill_request(worker)).decode())
+                                worker, why.decode(errors="replace"))
                     proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack
                     self._kill_at[worker] = time.monotonic() + DUMP_BEFORE_KILL_S
         now = time.monotonic()

@@ -56,7 +56,7 @@ class GenerationStore:
 
     def __init__(self, ctl: ControlClient, generation: int) -> None:
         client, self.fds = ctl.take_connection()
-        self.control = dist.PrefixStore(keys.epoch_prefix(ctl.epoch), client)
+        self.control = ctl.signed(client)
         self.store = dist.PrefixStore(keys.epoch_prefix(ctl.epoch) + keys.pg_prefix(generation),
                                       client)
 

@@ -137,6 +137,17 @@ def run_launched(launch_args: Sequence[str], script_args: Sequence[str], log_dir
 PORT = re.compile(r"control plane on [^:\s]+:(\d+)")
 
 
+def job_token_file(directory: Path) -> Path:
+    """A job token file readable by its owner only, as every host of a job is given."""
+    from deadpool_megatron.control.auth import new_token
+
+    path = directory / "job.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(new_token())
+    return path
+
+
 def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_dir: Path,
               timeout_s: float = 400.0, env: dict[str, str] | None = None,
               script: Path = PRETRAIN_GPT,
@@ -167,6 +178,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
 
     try:
         multi = ["--nnodes", str(len(hosts))] if len(hosts) > 1 else []
+        if multi and not any("--job-token-file" in h for h in hosts):
+            multi += ["--job-token-file", str(job_token_file(log_dir))]
         launch(0, [*multi, "--node-rank", "0"] if multi else [])
         port = None
         while port is None and len(hosts) > 1:
