@@ -116,6 +116,19 @@ def test_a_rank_killed_while_the_next_generation_creates_its_groups(
     assert formed - second["t"] < REBUILD_TIMEOUT_S / 4, "waited on a group timeout"
 
 
+def test_a_rank_killed_while_the_first_generation_creates_its_groups(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 3 dies while generation 0 creates its groups, before any rank has built its
+    model: the others, cut loose, hold no objects to rebind; generation 1 starts fresh
+    (the spare among them) and the run ends bit-exact."""
+    run, events = _launch(tmp_path, ["--deadpool-inject", "kill rank=3 iter=0 phase=groups"])
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert _declared(events) == [[3]], run.describe()
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert {e["rank"] for e in recovered} == set(range(8)), run.describe()
+    assert all(e["generation"] == 1 for e in recovered)
+
+
 @pytest.mark.fault_matrix
 def test_a_frozen_host_declared_lost_cannot_rejoin(tmp_path: Path,
                                                    failure_free_8: JobResult) -> None:

@@ -154,7 +154,7 @@ def build_fresh(member: Member) -> None:
     from deadpool_megatron.integration.distributed import set_seeds
     from deadpool_megatron.integration.model import build_training_objects
 
-    member.state = None
+    member.state, member.state_valid = None, False
     gc.collect()  # a survivor's old objects go before the new ones are built
     set_seeds(member.cfg.seed)
     member.state = LoopState(iteration=0, consumed_samples=0,
@@ -331,6 +331,10 @@ def restore(member: Member) -> RecoveryPlan:
     if plan.target == FRESH_START:
         build_fresh(member)
         return plan
+    if member.state is None:  # no objects to restore into: a spare replaces this rank
+        raise CannotContinue(f"rank {member.rank} holds no training objects (its first "
+                             f"build was cut short) and the plan restores snapshot "
+                             f"{plan.target}")
     _move_shards(member, plan, sizes)
     _apply(member, plan)
     return plan
@@ -392,7 +396,9 @@ def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = Non
     member.stamp("recovery")
     t_groups = time.perf_counter()
     member.injector.fire("recovery", generation)
-    references = rebind(member)
+    # A rank without objects (its first build was cut short by a peer's failure) has
+    # nothing to rebind; the plan must then be the fresh start (see `restore`).
+    references = rebind(member) if member.state is not None else 0
     lap("rebind")
     member.stamp("recovery")
     plan = restore(member)

@@ -223,14 +223,16 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             work = enter(member, generation, t0)
         else:
             if not rejoin(member, 0):
-                raise RuntimeError("a failure was declared before the job started")
+                raise GenerationBroken("a new generation was declared before the job started")
             ctl.unwatch()
             build_fresh(member)
     except JobShutdown as end:
         log.error("rank %d: job ended by the launcher: %s", rank, end)
         return 1
-    except Exception as err:  # noqa: BLE001 - a failure while joining: recover like any
-        work = _recover(member, None, err)
+    except Exception as err:  # noqa: BLE001 - a failure while joining or building
+        if not caused_by_a_peer(err):
+            return _leave_job(member, err, traceback.format_exc())
+        work = _recover(member, None, without_frames(err))
 
     while True:
         training = GenerationThread(partial(_train, member, dataset, finish, work),
