@@ -206,6 +206,17 @@ class ControlClient:
         value = self._authentic(keys.replaced(generation), absent_ok=True)
         return {} if value is None else _rank_map(value)
 
+    def flush_of(self, generation: int) -> dict | None:
+        """Host 0's flush request, if `generation` is a flush: {"lost": [ranks], "reason"}."""
+        value = self.store.read(keys.flush(generation))
+        if value is None:
+            return None
+        request = json.loads(value)  # authenticated: host 0 wrote it
+        return {"lost": [int(r) for r in request["lost"]], "reason": str(request["reason"])}
+
+    def report_flushed(self, report: dict) -> None:
+        self.store.set(keys.flush_report(self.worker), json.dumps(report))
+
     def check_shutdown(self) -> None:
         """Raise JobShutdown if the launcher has ended the job."""
         reason = self.store.read(keys.SHUTDOWN)

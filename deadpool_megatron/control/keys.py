@@ -24,6 +24,18 @@ def pg_prefix(generation: int) -> str:
     return f"dp/gen{generation}/pg/"
 
 
+def flush(generation: int) -> str:
+    return f"dp/gen{generation}/flush"  # json {lost, reason}: this generation only flushes
+
+
+def flush_report(worker: str) -> str:
+    return f"dp/flushed/{worker}"  # json {rank, written}: the worker's flush is over
+
+
+def flush_request(node: int) -> str:
+    return f"dp/flush_request/{node}"  # a host's launcher got SIGTERM: flush and stop
+
+
 def failure_report(worker: str) -> str:
     return f"dp/failed/{worker}"
 

@@ -130,9 +130,15 @@ class Checkpointer:
     def _load(self, state: LoopState) -> bool:
         from megatron.core import dist_checkpointing
 
+        from deadpool_megatron.snapshot import flush
+
         root = self.cfg.load
         assert root is not None
         iteration = latest_iteration(root)
+        flushed = flush.latest(root)
+        if flushed is not None and (iteration is None or flushed > iteration):
+            self._load_flushed(state, root, flushed)
+            return True
         if iteration is None:
             if torch.distributed.get_rank() == 0:
                 log.info("no checkpoint under %s; starting from scratch", root)
@@ -152,6 +158,20 @@ class Checkpointer:
         if torch.distributed.get_rank() == 0:
             log.info("loaded checkpoint of iteration %d from %s", state.iteration, path)
         return True
+
+    def _load_flushed(self, state: LoopState, root: str, iteration: int) -> None:
+        """The snapshot a flush wrote (snapshot/flush.py): newer than any checkpoint."""
+        from deadpool_megatron.snapshot import flush
+        from deadpool_megatron.snapshot.restore import restore_shard
+
+        rank = torch.distributed.get_rank()
+        slot = flush.read_shard(root, iteration, rank)
+        objects = restore_shard(state.objects, slot, self.cfg.use_distributed_optimizer)
+        state.iteration = int(objects["iteration"])
+        state.consumed_samples = int(objects["consumed_samples"])
+        if rank == 0:
+            log.info("loaded the snapshot of iteration %d flushed to %s", state.iteration,
+                     flush.iteration_dir(root, iteration))
 
     def after_iteration(self, state: LoopState) -> bool:
         """Save when due; True when --exit-interval says to stop now."""

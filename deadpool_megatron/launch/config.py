@@ -37,6 +37,10 @@ class LaunchConfig:
         "Seconds workers get to exit after the job ends."))
     join_timeout: float = field(default=300.0, metadata=flag(
         "Seconds a host waits for the control plane of host 0."))
+    flush_timeout: float = field(default=60.0, metadata=flag(
+        "Seconds the workers get to write their newest in-memory snapshots to the job's "
+        "--save (on SIGTERM, or when hot-swap is impossible) before the job stops or "
+        "restarts from them."))
     job_token_file: str | None = field(default=None, metadata=flag(
         "File holding the job token (the same file on every host, readable by its owner "
         "only) that authenticates control-plane writes; needed with --nnodes > 1. A "
@@ -70,6 +74,6 @@ class LaunchConfig:
                               f"secret file on every host (e.g. `umask 077; openssl rand -hex "
                               f"32 > $HOME/.deadpool_token`), which authenticates the hosts' "
                               f"control-plane writes")
-        for name in ("heartbeat_timeout", "shutdown_timeout", "join_timeout"):
+        for name in ("heartbeat_timeout", "shutdown_timeout", "join_timeout", "flush_timeout"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"--{name.replace('_', '-')} must be positive")

@@ -23,6 +23,7 @@ from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.topology import buddy_of, ward_of
 
 log = logging.getLogger("deadpool_megatron.launch")
+STOPPED = 128 + 15  # the job's exit status when a scheduler stopped it (SIGTERM)
 HOST_SCAN_S = 0.1
 # Gather failures found by a scan (hangs, lost hosts) this long into one declaration.
 SCAN_GATHER_S = 0.3
@@ -36,9 +37,13 @@ def host_of(worker: str, nproc_per_node: int) -> int:
 
 
 class EpochEnded(Exception):
-    def __init__(self, returncode: int, reason: str) -> None:
+    """The epoch is over. `flush`: the workers first write their newest snapshots (ranks
+    `lost` are gone: their buddies write theirs)."""
+
+    def __init__(self, returncode: int, reason: str, flush: bool = False,
+                 lost: list[int] | None = None) -> None:
         super().__init__(reason)
-        self.returncode = returncode
+        self.returncode, self.flush, self.lost = returncode, flush, lost or []
 
 
 class Coordinator:
@@ -87,6 +92,10 @@ class Coordinator:
                 raise EpochEnded(0, "done")
         if now >= self._next_scan:
             self._next_scan = now + HOST_SCAN_S
+            stopping = self.flush_requested()
+            if stopping is not None:
+                raise EpochEnded(STOPPED, f"host {stopping}'s launcher was asked to stop "
+                                          f"(SIGTERM)", flush=True)
             self._scan_hosts(now)
         if self.failed and now >= self.declare_at:
             self._declare()
@@ -273,7 +282,8 @@ class Coordinator:
                                  self._avoid_hosts(failed_ranks),
                                  {s: host_of(s, self.cfg.nproc_per_node) for s in self.spares})
         except RecoveryImpossible as err:
-            raise EpochEnded(3, str(err)) from None
+            lost = [r for r, w in self.current.items() if w in self.gone]
+            raise EpochEnded(3, str(err), flush=True, lost=lost) from None
         # Workers wake on the members key (control/client.py), so it is written after the
         # replaced ranks and before the generation number.
         self.store.set(keys.replaced(plan.generation), json.dumps(plan.replaced))
@@ -288,6 +298,28 @@ class Coordinator:
         self.declared_at = time.monotonic()
         self.spares = [s for s in self.spares if s not in plan.replaced.values()]
         self.failed.clear()
+
+    # -- flush (the epoch ends; launch/launcher.py waits for the workers' reports) -----------
+    def declare_flush(self, lost: list[int], reason: str) -> list[str]:
+        """Declare a generation that only flushes; returns the workers expected to report."""
+        generation = self.generation + 1
+        self.store.set(keys.flush(generation), json.dumps({"lost": lost, "reason": reason}))
+        self.store.set(keys.members(generation), json.dumps(self.current))
+        self.store.set(keys.GENERATION, str(generation))
+        self.generation, self.declared_at = generation, time.monotonic()
+        self.events.emit("flush_declared", generation=generation, lost=lost, reason=reason)
+        return [w for r, w in self.current.items() if w not in self.gone and r not in lost]
+
+    def flushed_or_gone(self, worker: str) -> bool:
+        return self.store.read(keys.flush_report(worker)) is not None \
+            or self._exit_code(worker) is not None
+
+    def flush_requested(self) -> int | None:
+        """A host whose launcher was asked to stop (SIGTERM), if any."""
+        for host in sorted(self.hosts_seen):
+            if self.store.read(keys.flush_request(host)) is not None:
+                return host
+        return None
 
     def _avoid_hosts(self, failed_ranks: set[int]) -> dict[int, set[int]]:
         """For each failed rank, the hosts holding its buddy copy and its ward's shard."""

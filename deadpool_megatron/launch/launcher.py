@@ -28,7 +28,7 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
 from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
-from deadpool_megatron.launch.coordinator import Coordinator, EpochEnded
+from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
 
@@ -64,12 +64,22 @@ class Launcher:
         self.control: SignedStore | None = None  # the root keys (epochs, the end), signed
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
         self._wake: int | None = None  # read end of the SIGCHLD wake-up pipe
+        self._stopping = False  # SIGTERM (a scheduler's preemption or time limit)
 
     def _cmd(self, epoch: int) -> list[str]:
-        """Epochs after the first resume from the durable checkpoint."""
-        if epoch > 0 and self.save_dir and _flag_value(self.cmd, "--load") is None:
-            return [*self.cmd, "--load", self.save_dir]
-        return self.cmd
+        """Epochs after the first resume from the newest durable state under --save (a
+        flushed snapshot or a checkpoint), if there is one; else as the job started."""
+        from deadpool_megatron.integration.checkpoint import latest_iteration
+        from deadpool_megatron.snapshot import flush
+
+        if epoch == 0 or not self.save_dir or (latest_iteration(self.save_dir) is None
+                                               and flush.latest(self.save_dir) is None):
+            return self.cmd
+        cmd = list(self.cmd)
+        if "--load" in cmd[:-1]:
+            cmd[cmd.index("--load") + 1] = self.save_dir
+            return cmd
+        return [*cmd, "--load", self.save_dir]
 
     def _tick(self) -> None:
         """Wait TICK_S, or less if a worker exits meanwhile."""
@@ -120,6 +130,7 @@ class Launcher:
         self._wake = read_end
         signal.set_wakeup_fd(write_end)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._on_term)
         if cfg.node_rank == 0:
             self.root = store_server(cfg.master_addr, cfg.master_port, timeout_s=60)
             self.control = SignedStore(self.root, self.token)
@@ -138,6 +149,18 @@ class Launcher:
                       "stopping", cfg.node_rank, cfg.master_addr, cfg.master_port, err)
             return 1
 
+    def _on_term(self, *_: object) -> None:
+        """SIGTERM: the job is to stop. Host 0 has the workers flush their newest snapshots
+        to --save first (every launcher asks it: a scheduler signals every host)."""
+        if not self._stopping:
+            log.warning("deadpool-launch: SIGTERM: asking for a flush of the newest snapshots "
+                        "and a stop")
+        self._stopping = True
+
+    def _ask_to_stop(self, workers: LocalWorkers) -> None:
+        if self._stopping and not workers.store.check([keys.flush_request(self.cfg.node_rank)]):
+            workers.store.set(keys.flush_request(self.cfg.node_rank), "SIGTERM")
+
     # -- host 0 ---------------------------------------------------------------------------
     def _run_host0(self) -> int:
         """Hot-swap for as long as it can; then, if the job writes durable checkpoints
@@ -147,11 +170,11 @@ class Launcher:
         for epoch in range(self.cfg.max_restarts + 1):
             rc = self._run_epoch(epoch, events)
             if rc != RECOVERY_IMPOSSIBLE or self.save_dir is None \
-                    or epoch == self.cfg.max_restarts:
+                    or epoch == self.cfg.max_restarts or self._stopping:
                 break
-            log.warning("deadpool-launch: falling back to the durable checkpoint under %s: "
-                        "restarting all %d workers with --load", self.save_dir,
-                        self.cfg.world_size)
+            log.warning("deadpool-launch: falling back to the newest durable state under %s "
+                        "(flushed snapshot or checkpoint): restarting all %d workers with "
+                        "--load", self.save_dir, self.cfg.world_size)
             events.emit("checkpoint_fallback", save=self.save_dir, attempt=epoch + 1)
         self.control.set(keys.END, str(rc))
         self._wait_for_byes()
@@ -173,6 +196,7 @@ class Launcher:
         try:
             while True:
                 workers.poll()
+                self._ask_to_stop(workers)
                 coordinator.tick(time.monotonic())
                 self._tick()
         except EpochEnded as end:
@@ -181,11 +205,46 @@ class Launcher:
                 events.emit("recovery_impossible", reason=str(end))
             elif end.returncode != 0:
                 log.error("deadpool-launch: ending the job: %s", end)
+            if end.flush:
+                self._flush(workers, coordinator, end, events)
             if end.returncode != 0:
                 workers.store.set(keys.SHUTDOWN, str(end))
             workers.stop(cfg.shutdown_timeout)
             self.joined_hosts = coordinator.live_hosts()
             return end.returncode
+
+    def _flush(self, workers: LocalWorkers, coordinator: Coordinator, end: EpochEnded,
+               events: EventLog) -> None:
+        """Have every live worker write its newest snapshots (and a lost ward's) to --save,
+        within --flush-timeout, then commit the newest complete one (snapshot/flush.py)."""
+        from deadpool_megatron.snapshot import flush
+
+        if not self.hot_swap or self.save_dir is None:
+            log.warning("deadpool-launch: nothing flushed: %s", "the training script has no "
+                        "--save" if self.hot_swap else "the workers run without --deadpool")
+            return
+        t0 = time.monotonic()
+        expected = coordinator.declare_flush(end.lost, str(end))
+        while time.monotonic() - t0 < self.cfg.flush_timeout:
+            workers.poll()
+            if all(coordinator.flushed_or_gone(w) for w in expected):
+                break
+            self._tick()
+        missing = [w for w in expected if not coordinator.flushed_or_gone(w)]
+        iteration = flush.commit(self.save_dir, self.cfg.world_size)
+        seconds = time.monotonic() - t0
+        events.emit("flush_committed", iteration=iteration, seconds=round(seconds, 3),
+                    missing=missing)
+        if iteration is None:
+            log.error("deadpool-launch: the flush wrote no complete snapshot in %.1f s "
+                      "(%s); the newest checkpoint under %s stays the one to load", seconds,
+                      f"no report from {missing}" if missing else "shards missing",
+                      self.save_dir)
+            return
+        log.warning("deadpool-launch: flushed the snapshot of iteration %d to %s in %.1f s%s",
+                    iteration, flush.iteration_dir(self.save_dir, iteration), seconds,
+                    "; relaunch with --load " + self.save_dir + " to resume there"
+                    if end.returncode == STOPPED else "")
 
     def _wait_for_byes(self) -> None:
         """Keep the store up until every other live host has read the end (bounded; a
@@ -212,6 +271,7 @@ class Launcher:
                          cfg.local_ranks()[-1], len(spares))
                 while workers.store.read(keys.SHUTDOWN) is None:
                     workers.poll()
+                    self._ask_to_stop(workers)
                     self._tick()
                 workers.poll()
                 workers.stop(cfg.shutdown_timeout)

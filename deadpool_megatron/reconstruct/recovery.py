@@ -66,6 +66,11 @@ class StoppableThread(Protocol):
     def where(self) -> str: ...
 
 
+class JobFlushed(Exception):
+    """Host 0 asked for a flush (hot-swap impossible, or the job stopped): this rank wrote
+    what it holds and leaves; the job restarts from the flush, or ends."""
+
+
 class CannotContinue(RuntimeError):
     """This rank cannot take part in the next generation (it was declared lost, or a thread
     of the broken generation would not stop); it leaves so a spare replaces it."""
@@ -176,10 +181,12 @@ def leave(member: Member, training: StoppableThread | None) -> int:
     ctl = member.ctl
     laps = _Laps()
     generation = ctl.wait_generation_after(member.generation)
+    flushing = ctl.flush_of(generation) is not None
     if ctl.members(generation).get(member.rank) != ctl.worker:
         raise CannotContinue(f"rank {member.rank} was declared lost in generation {generation}")
     replaced = {r for g in range(member.generation + 1, generation + 1) for r in ctl.replaced(g)}
-    lost_replica = member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
+    lost_replica = flushing or \
+        member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
     if member.bound == member.generation:  # groups created since the rebind are named too
         member.registry = group_registry()
     member.retired_groups += list(member.registry.values())
@@ -393,6 +400,7 @@ def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = Non
 
     while not rejoin(member, generation, lap):
         generation = member.ctl.wait_generation_after(generation)
+        flush_if_asked(member, generation)
     member.stamp("recovery")
     t_groups = time.perf_counter()
     member.injector.fire("recovery", generation)
@@ -479,6 +487,43 @@ def recover(member: Member, training: StoppableThread | None) -> dict[int, Micro
     peak = PeakRss()
     peak.start()
     generation = leave(member, training)
+    flush_if_asked(member, generation)
     return enter(member, generation, t0, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})
 
+
+
+# -- flush ------------------------------------------------------------------------------
+def flush_if_asked(member: Member, generation: int) -> None:
+    """If host 0 declared `generation` a flush, write the snapshots this rank holds and
+    raise JobFlushed (the training thread and the snapshot worker have stopped)."""
+    request = member.ctl.flush_of(generation)
+    if request is None:
+        return
+    written = flush_held(member, set(request["lost"]))
+    member.ctl.report_flushed({"rank": member.rank, "written": written})
+    member.events.emit("flushed", generation=generation, reason=request["reason"],
+                       written=written)
+    raise JobFlushed(f"rank {member.rank}: flushed {written} ({request['reason']})")
+
+
+def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
+    """Write to --save every complete snapshot of this rank's shard it holds, and of its
+    ward's shard if the ward is lost (snapshot/flush.py); {rank: [iterations]}."""
+    from deadpool_megatron.snapshot.flush import write_shard
+
+    save, engine = member.cfg.save, member.engine
+    written: dict[str, list[int]] = {}
+    if save is None or member.rank in lost:
+        return written
+    rpn = member.ft.ranks_per_node(member.world)
+    ward = ward_of(member.rank, member.world, rpn, member.ft.deadpool_allow_same_node_buddy)
+    holdings = [(member.rank, engine.own)]
+    if ward in lost:
+        holdings.append((ward, engine.ward_buffer))
+    for rank, buffer in holdings:
+        for iteration in buffer.available() if buffer is not None else []:
+            write_shard(save, rank, buffer.find(iteration))
+            written.setdefault(str(rank), []).append(iteration)
+    log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
+    return written

@@ -129,9 +129,11 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
 
 def run_launched(launch_args: Sequence[str], script_args: Sequence[str], log_dir: Path,
                  timeout_s: float = 400.0, env: dict[str, str] | None = None,
-                 script: Path = PRETRAIN_GPT) -> JobResult:
-    """Run a job under one deadpool-launch; its combined output is logs[0]."""
-    return run_hosts([list(launch_args)], script_args, log_dir, timeout_s, env, script)
+                 script: Path = PRETRAIN_GPT, term_at: str | None = None) -> JobResult:
+    """Run a job under one deadpool-launch; its combined output is logs[0]. term_at: send
+    SIGTERM to the launcher and its workers when this text appears in the output."""
+    return run_hosts([list(launch_args)], script_args, log_dir, timeout_s, env, script,
+                     term_host=(0, term_at) if term_at else None)
 
 
 PORT = re.compile(r"control plane on [^:\s]+:(\d+)")
@@ -152,14 +154,17 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
               timeout_s: float = 400.0, env: dict[str, str] | None = None,
               script: Path = PRETRAIN_GPT,
               kill_host: tuple[int, str, float] | None = None,
-              freeze_host: tuple[int, str, str] | None = None) -> JobResult:
+              freeze_host: tuple[int, str, str] | None = None,
+              term_host: tuple[int, str] | None = None) -> JobResult:
     """One deadpool-launch per simulated host on this machine, as under Slurm: host 0 picks
     a free control-plane port, which the others are then given (no free-port race).
     logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
     launcher with all its workers `delay` s after `text` appears in its log (a lost host).
     freeze_host=(h, text, thaw): SIGSTOP host h's launcher and workers when `text` appears
     in its log, SIGCONT them when `thaw` appears in host 0's (a host cut off for a while).
-    Every launcher is killed, with its workers, at the deadline."""
+    term_host=(h, text): SIGTERM to host h's launcher and workers when `text` appears in its
+    log (a scheduler stopping the job). Every launcher is killed, with its workers, at the
+    deadline."""
     log_dir.mkdir(parents=True, exist_ok=True)
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
     paths = [log_dir / ("launcher.log" if len(hosts) == 1 else f"host{h}.log")
@@ -168,7 +173,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
     deadline = start + timeout_s
-    timed_out, killed_at, frozen = False, None, None
+    timed_out, killed_at, frozen, termed = False, None, None, False
 
     def launch(h: int, port_args: list[str]) -> None:
         procs.append(subprocess.Popen(
@@ -204,6 +209,10 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
                     freeze_host[1] in paths[freeze_host[0]].read_text(errors="replace"):
                 os.killpg(procs[freeze_host[0]].pid, signal.SIGSTOP)
                 frozen = True
+            elif term_host is not None and not termed and \
+                    term_host[1] in paths[term_host[0]].read_text(errors="replace"):
+                os.killpg(procs[term_host[0]].pid, signal.SIGTERM)
+                termed = True
             elif frozen and freeze_host[2] in paths[0].read_text(errors="replace"):
                 os.killpg(procs[freeze_host[0]].pid, signal.SIGCONT)
                 frozen = False

@@ -28,7 +28,7 @@ from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.errors import without_frames
-from deadpool_megatron.reconstruct.recovery import CannotContinue, Member
+from deadpool_megatron.reconstruct.recovery import CannotContinue, JobFlushed, Member
 from deadpool_megatron.replay.ledger import MicrobatchLedger, ReductionBarrier
 from deadpool_megatron.replay.plan import MicrobatchWork
 
@@ -229,6 +229,9 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     except JobShutdown as end:
         log.error("rank %d: job ended by the launcher: %s", rank, end)
         return 1
+    except JobFlushed as flushed:
+        log.warning("%s", flushed)
+        return 0
     except Exception as err:  # noqa: BLE001 - a failure while joining or building
         if not caused_by_a_peer(err):
             return _leave_job(member, err, traceback.format_exc())
@@ -270,6 +273,9 @@ def _recover(member: Member, training: GenerationThread | None,
                     member.generation, str(err).splitlines()[0][:160] if str(err) else err)
         try:
             return recover(member, training)
+        except JobFlushed as flushed:
+            log.warning("%s", flushed)
+            _exit(0)
         except (JobShutdown, TimeoutError) as end:
             log.error("rank %d: no recovery: %s", member.rank, end)
             _exit(1)

@@ -1,0 +1,118 @@
+"""Flush instead of discard: when hot-swap is impossible, or the job is stopped, the newest
+in-memory snapshots go to --save, and the job resumes from them bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GPT_3D_ARGS
+from deadpool_megatron.snapshot import flush
+from deadpool_megatron.snapshot.buffers import Slot, checksum
+from deadpool_megatron.testing.jobs import JobResult, run_launched
+
+ITERS = 8
+ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
+LOADED = re.compile(r"loaded the snapshot of iteration (\d+) flushed to")
+FLUSHED = re.compile(r"flushed the snapshot of iteration (\d+) to")
+ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|")
+
+
+def _slot(iteration: int, fill: int) -> Slot:
+    flat = torch.full((1000,), fill, dtype=torch.uint8)
+    objects = b"small state"
+    return Slot(flat=flat, iteration=iteration, objects=objects, crc=checksum(flat, objects))
+
+
+def test_only_a_complete_iteration_is_committed_and_read_back_whole(tmp_path: Path) -> None:
+    save = str(tmp_path)
+    for rank in range(3):
+        flush.write_shard(save, rank, _slot(4, rank))
+    flush.write_shard(save, 0, _slot(5, 9))  # iteration 5: rank 0 only, so incomplete
+    assert flush.complete_iterations(save, world=3) == [4]
+    assert flush.latest(save) is None  # nothing is marked before the commit
+    assert flush.commit(save, world=3) == 4 and flush.latest(save) == 4
+    assert not os.path.exists(flush.iteration_dir(save, 5))  # the incomplete one is dropped
+    back = flush.read_shard(save, 4, 2)
+    assert back.verify() and torch.equal(back.flat, _slot(4, 2).flat)
+
+
+def test_a_damaged_flushed_shard_is_refused(tmp_path: Path) -> None:
+    save = str(tmp_path)
+    flush.write_shard(save, 0, _slot(4, 1))
+    data = Path(flush.iteration_dir(save, 4)) / "rank_00000.bin"
+    blob = bytearray(data.read_bytes())
+    blob[10] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    assert not flush.read_shard(save, 4, 0).verify()  # the restore refuses it (checksum)
+    data.write_bytes(bytes(blob[:-1]))
+    with pytest.raises(flush.FlushError, match="unreadable"):
+        flush.read_shard(save, 4, 0)
+    (Path(save) / flush.ROOT / flush.LATEST).write_text("x")
+    with pytest.raises(flush.FlushError, match="corrupt"):
+        flush.latest(save)
+
+
+def _events(prefix: Path) -> list[dict]:
+    out = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["t"])
+
+
+@pytest.mark.multiproc
+def test_spares_exhausted_restart_from_the_flushed_snapshot(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """One spare, two failures, a --save-interval longer than the run (so no checkpoint):
+    the second failure (iteration 6) flushes snapshot 5, held by survivors and, for the
+    lost rank, by its buddy (the spare that took rank 5, refilled at its recovery); the job
+    restarts from it, redoes iteration 6 only, and ends bit-exact."""
+    save, events = tmp_path / "ckpt", tmp_path / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+            str(events), "--save", str(save), "--save-interval", "100",
+            "--deadpool-inject", "kill rank=5 iter=3 phase=backward",
+            "--deadpool-inject", "kill rank=1 iter=6 phase=backward wait=commit"]
+    run = run_launched(["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
+                       args, tmp_path, timeout_s=500, env=ENV)
+    out = run.logs[0]
+    assert run.returncodes == [0] and not run.timed_out, run.describe()
+    assert run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "hot-swap impossible" in out, run.describe()
+    assert [int(i) for i in FLUSHED.findall(out)] == [5], run.describe()
+    assert [int(i) for i in LOADED.findall(out)] == [5], run.describe()
+    restart = out[out.index("restarting all 8 workers"):]
+    assert min(int(i) for i in ITERATION.findall(restart)) == 6, "redid an iteration before 6"
+    assert not os.path.exists(save / "latest_checkpointed_iteration.txt")
+    flushed = [e for e in _events(events) if e["event"] == "flushed"]
+    by_buddy = [e for e in flushed if "1" in e["written"] and e["rank"] != 1]
+    assert by_buddy, "the lost rank's shard was not written by its buddy"
+
+
+@pytest.mark.multiproc
+def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """SIGTERM to the launcher and its workers (as a scheduler's time limit sends it) at
+    iteration 4: the newest snapshot is written to --save, the job exits with 143 and says
+    how to resume; relaunched with --load it resumes there and ends bit-exact."""
+    save = tmp_path / "ckpt"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
+            "--save-interval", "100"]
+    launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
+    first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV,
+                         term_at="iteration        4/")
+    out = first.logs[0]
+    assert first.returncodes == [143] and not first.timed_out, first.describe()
+    flushed = [int(i) for i in FLUSHED.findall(out)]
+    assert len(flushed) == 1 and flushed[0] >= 4, first.describe()
+    assert f"relaunch with --load {save}" in out
+    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
+                          timeout_s=400, env=ENV)
+    assert second.ok, second.describe()
+    assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
+    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed[0] + 1
+    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
