@@ -142,14 +142,16 @@ def test_shard_and_buddy_lost_together_ends_cleanly(tmp_path: Path) -> None:
 
 
 @pytest.mark.fault_matrix
-def test_spare_exhaustion_falls_back_to_durable_checkpoint(tmp_path: Path,
-                                                          failure_free: str) -> None:
+def test_no_complete_flush_falls_back_to_durable_checkpoint(tmp_path: Path,
+                                                           failure_free: str) -> None:
+    """Rank 1 and its buddy (rank 5) die together: the flush cannot write rank 1's shard,
+    so nothing is committed and the restart loads the newest checkpoint (iteration 2)."""
     ckpt = tmp_path / "ckpt"
-    run, _ = _launch(tmp_path, "fallback", ["kill rank=1 iter=3 phase=forward",
-                                            "kill rank=2 iter=6 phase=forward"], spares=1,
-                     extra=["--save", str(ckpt), "--save-interval", "2"])
-    assert "ranks [2] failed but only 0 spare(s) remain" in run.output
-    assert "falling back to the durable checkpoint" in run.output
-    assert "loaded checkpoint of iteration 4" in run.output
+    run, _ = _launch(tmp_path, "fallback", ["kill tp=1,dp=0 iter=4 phase=optimizer"],
+                     window=2.0, spares=0, extra=["--save", str(ckpt), "--save-interval", "2"])
+    assert "the in-memory shards of ranks [1, 5] are lost" in run.output, run.describe()
+    assert "the flush wrote no complete snapshot" in run.output, run.describe()
+    assert "falling back to the newest durable state" in run.output
+    assert "loaded checkpoint of iteration 2" in run.output
     assert run.ok, run.describe()
     assert run.fingerprint == failure_free

@@ -65,7 +65,7 @@ def test_checkpoint_fallback_restarts_every_host(tmp_path: Path) -> None:
                  ["--seconds", "3", "--fail-rank", "2", "--save", str(tmp_path / "ckpt")])
     assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
     assert "ranks [2] failed but only 0 spare(s) remain" in run.logs[0], run.describe()
-    assert "falling back to the durable checkpoint" in run.logs[0]
+    assert "falling back to the newest durable state" in run.logs[0]
     for rank in (2, 3):
         assert f"worker w{rank} is rank {rank} in epoch 1" in run.logs[1], run.describe()
 

@@ -57,6 +57,7 @@ class ControlClient:
         self._watch_gen = -1
         self._on_new_generation: Callable[[int], None] | None = None
         self._stop = threading.Event()
+        self.control_lost = threading.Event()  # the store (host 0's launcher) is gone
         self._watcher = threading.Thread(target=self._watch_declarations,
                                          name="deadpool-watch", daemon=True)
         self._watcher.start()
@@ -155,6 +156,7 @@ class ControlClient:
             except dist.DistStoreError:
                 continue  # no declaration within the timeout: keep waiting
             except Exception:  # noqa: BLE001 - the launcher is gone
+                self._lost_control()
                 return
             seen += 1
             with self._cond:
@@ -166,15 +168,28 @@ class ControlClient:
             if callback is not None and seen > watched:
                 callback(seen)
 
+    def _lost_control(self) -> None:
+        """No job runs blind: whoever waits for a declaration is woken (with -1)."""
+        if self._stop.is_set():
+            return
+        log.error("worker %s: lost the control plane on %s:%d", self.worker, self.host,
+                  self.port)
+        with self._cond:
+            self.control_lost.set()
+            callback, self._on_new_generation = self._on_new_generation, None
+            self._cond.notify_all()
+        if callback is not None:
+            callback(-1)
+
     def watch(self, generation: int, on_new_generation: Callable[[int], None]) -> None:
         """Call `on_new_generation` once, from the watcher thread (or now, if one is already
         declared), when a generation newer than `generation` is declared."""
         with self._cond:
-            newer = self._latest > generation
+            newer = self._latest > generation or self.control_lost.is_set()
             self._watch_gen = generation
             self._on_new_generation = None if newer else on_new_generation
         if newer:
-            on_new_generation(self._latest)
+            on_new_generation(-1 if self.control_lost.is_set() else self._latest)
 
     def unwatch(self) -> None:
         with self._cond:

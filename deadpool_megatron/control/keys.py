@@ -66,6 +66,7 @@ def node_spares(node: int) -> str:
 
 
 # -- keys outside every epoch: the launchers' own lifecycle -----------------------------
+LAYOUT = "launch/layout"  # json {nnodes, nproc_per_node, control_only}, set by host 0
 EPOCH = "launch/epoch"  # the current epoch (a whole-job restart opens the next)
 END = "launch/end"  # the job's exit status, set once by host 0
 

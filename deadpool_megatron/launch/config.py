@@ -37,6 +37,10 @@ class LaunchConfig:
         "Seconds workers get to exit after the job ends."))
     join_timeout: float = field(default=300.0, metadata=flag(
         "Seconds a host waits for the control plane of host 0."))
+    control_only: bool = field(default=False, metadata=flag(
+        "Host 0 only: host the control plane (store and coordinator) and run no training "
+        "rank, e.g. on a login or CPU node, so that losing any training host is survived; "
+        "training hosts are then --node-rank 1 .. --nnodes - 1."))
     flush_timeout: float = field(default=60.0, metadata=flag(
         "Seconds the workers get to write their newest in-memory snapshots to the job's "
         "--save (on SIGTERM, or when hot-swap is impossible) before the job stops or "
@@ -47,13 +51,32 @@ class LaunchConfig:
         "single-host job makes a random one."))
 
     @property
+    def first_training_host(self) -> int:
+        return 1 if self.control_only else 0
+
+    @property
+    def training_hosts(self) -> range:
+        return range(self.first_training_host, self.nnodes)
+
+    @property
     def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+        return len(self.training_hosts) * self.nproc_per_node
+
+    def ranks_of(self, host: int) -> range:
+        """Global ranks whose first worker runs on `host` (none on a control-only host)."""
+        if host not in self.training_hosts:
+            return range(0)
+        first = (host - self.first_training_host) * self.nproc_per_node
+        return range(first, first + self.nproc_per_node)
+
+    def host_of(self, worker: str) -> int:
+        """The host a worker runs on: w{rank} by its rank, s{host}.{i} by its name."""
+        if worker.startswith("s"):
+            return int(worker[1:].split(".")[0])
+        return int(worker[1:]) // self.nproc_per_node + self.first_training_host
 
     def local_ranks(self) -> range:
-        """Global ranks whose first worker runs on this host."""
-        first = self.node_rank * self.nproc_per_node
-        return range(first, first + self.nproc_per_node)
+        return self.ranks_of(self.node_rank)
 
     def validate(self) -> None:
         if self.nproc_per_node <= 0:
@@ -69,6 +92,9 @@ class LaunchConfig:
         if self.logical_nodes <= 0 or self.nproc_per_node % self.logical_nodes:
             raise LaunchError(f"--logical-nodes {self.logical_nodes} must divide "
                               f"--nproc-per-node {self.nproc_per_node}")
+        if self.control_only and (self.node_rank != 0 or self.nnodes < 2 or self.spares):
+            raise LaunchError("--control-only is for host 0 of a job with training hosts "
+                              "(--nnodes 2 or more) and runs no spare (--spares 0)")
         if self.nnodes > 1 and not self.job_token_file:
             raise LaunchError(f"--nnodes {self.nnodes} needs --job-token-file: the same "
                               f"secret file on every host (e.g. `umask 077; openssl rand -hex "

@@ -29,13 +29,6 @@ HOST_SCAN_S = 0.1
 SCAN_GATHER_S = 0.3
 
 
-def host_of(worker: str, nproc_per_node: int) -> int:
-    """The host a worker runs on: w{rank} on rank // nproc, s{host}.{i} on host."""
-    if worker.startswith("s"):
-        return int(worker[1:].split(".")[0])
-    return int(worker[1:]) // nproc_per_node
-
-
 class EpochEnded(Exception):
     """The epoch is over. `flush`: the workers first write their newest snapshots (ranks
     `lost` are gone: their buddies write theirs)."""
@@ -102,17 +95,17 @@ class Coordinator:
 
     def _discover_spares(self) -> None:
         """Spares join as each host's launcher registers them (hosts start at any time)."""
-        if len(self.hosts_seen) == self.cfg.nnodes:
+        hosts = self.cfg.training_hosts
+        if len(self.hosts_seen) == len(hosts):
             return
-        for host in range(self.cfg.nnodes):
+        for host in hosts:
             spares = None if host in self.hosts_seen else self._spares_of(host)
             if spares is not None:
-                n = self.cfg.nproc_per_node
-                self.hosts_seen[host] = [f"w{r}" for r in range(host * n, (host + 1) * n)]
+                self.hosts_seen[host] = [f"w{r}" for r in self.cfg.ranks_of(host)]
                 self.hosts_seen[host] += spares
                 self.spares += [s for s in spares if s not in self.gone]
-        if len(self.hosts_seen) < self.cfg.nnodes and time.monotonic() > self._join_deadline:
-            missing = sorted(set(range(self.cfg.nnodes)) - set(self.hosts_seen))
+        if len(self.hosts_seen) < len(hosts) and time.monotonic() > self._join_deadline:
+            missing = sorted(set(hosts) - set(self.hosts_seen))
             raise EpochEnded(1, f"hosts {missing} never joined within --join-timeout "
                                 f"{self.cfg.join_timeout:.0f} s; start one deadpool-launch "
                                 f"per host with --master-addr/--master-port of host 0")
@@ -185,7 +178,7 @@ class Coordinator:
         self.events.emit("failure_detected", worker=worker, rank=rank, returncode=returncode,
                          how=how, reason=reason, stalled_s=stalled_s)
         log.warning("deadpool-launch: rank %d (worker %s on host %d) %s%s", rank, worker,
-                    host_of(worker, self.cfg.nproc_per_node),
+                    self.cfg.host_of(worker),
                     {"exit": f"exited with {returncode}", "hang": "is hung",
                      "host": f"was lost with its host (no report for "
                              f"{self.cfg.heartbeat_timeout:.1f} s)"}[how],
@@ -280,7 +273,7 @@ class Coordinator:
                               self.allow_same_node)
             plan = assign_spares(self.generation, self.current, failed_ranks, self.spares,
                                  self._avoid_hosts(failed_ranks),
-                                 {s: host_of(s, self.cfg.nproc_per_node) for s in self.spares})
+                                 {s: self.cfg.host_of(s) for s in self.spares})
         except RecoveryImpossible as err:
             lost = [r for r, w in self.current.items() if w in self.gone]
             raise EpochEnded(3, str(err), flush=True, lost=lost) from None
@@ -323,10 +316,9 @@ class Coordinator:
 
     def _avoid_hosts(self, failed_ranks: set[int]) -> dict[int, set[int]]:
         """For each failed rank, the hosts holding its buddy copy and its ward's shard."""
-        n = self.cfg.nproc_per_node
         avoid = {}
         for rank in failed_ranks:
             near = (buddy_of(rank, self.world, self.rpn, self.allow_same_node),
                     ward_of(rank, self.world, self.rpn, self.allow_same_node))
-            avoid[rank] = {host_of(self.current[r], n) for r in near}
+            avoid[rank] = {self.cfg.host_of(self.current[r]) for r in near}
         return avoid

@@ -12,6 +12,8 @@ their own store prefix, so nothing of an ended epoch can be mistaken for the nex
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import select
@@ -134,6 +136,9 @@ class Launcher:
         if cfg.node_rank == 0:
             self.root = store_server(cfg.master_addr, cfg.master_port, timeout_s=60)
             self.control = SignedStore(self.root, self.token)
+            self.control.set(keys.LAYOUT, json.dumps(
+                {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
+                 "control_only": cfg.control_only}))
             if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
                 log.warning("deadpool-launch: host 0 listens on %s only (--master-addr), a "
                             "loopback address: hosts on other machines cannot reach it; pass "
@@ -143,11 +148,15 @@ class Launcher:
                                   timeout=timedelta(seconds=cfg.join_timeout))
         self.control = SignedStore(self.root, self.token)
         try:
+            self._adopt_layout()
             return self._run_other_host()
         except dist.DistError as err:
             log.error("deadpool-launch: host %d lost the control plane on %s:%d (%s); "
                       "stopping", cfg.node_rank, cfg.master_addr, cfg.master_port, err)
             return 1
+        except LaunchError as err:
+            log.error("deadpool-launch: %s", err)
+            return 2
 
     def _on_term(self, *_: object) -> None:
         """SIGTERM: the job is to stop. Host 0 has the workers flush their newest snapshots
@@ -189,10 +198,10 @@ class Launcher:
         self.control.set(keys.EPOCH, str(epoch))  # the other hosts start their workers now
         spares = workers.start()
         log.info("deadpool-launch: epoch %d: %d workers on %d host(s) (%d per host, %d "
-                 "failure domains of %d ranks), %d warm spares here; control plane on %s:%d",
-                 epoch, cfg.world_size, cfg.nnodes, cfg.nproc_per_node,
+                 "failure domains of %d ranks), %d warm spares here%s; control plane on %s:%d",
+                 epoch, cfg.world_size, len(cfg.training_hosts), cfg.nproc_per_node,
                  cfg.world_size // self.ranks_per_node, self.ranks_per_node, len(spares),
-                 cfg.master_addr, self.root.port)
+                 " (control only)" if cfg.control_only else "", cfg.master_addr, self.root.port)
         try:
             while True:
                 workers.poll()
@@ -256,6 +265,20 @@ class Launcher:
             time.sleep(0.05)
 
     # -- every other host ---------------------------------------------------------------
+    def _adopt_layout(self) -> None:
+        """Host 0's layout: whether it trains (--control-only), checked against ours."""
+        layout = json.loads(self._authentic(keys.LAYOUT))
+        mine = {"nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node}
+        theirs = {k: layout[k] for k in mine}
+        if theirs != mine:
+            raise LaunchError(f"host {self.cfg.node_rank} was started with {mine}, host 0 "
+                              f"with {theirs}: give every host the same --nnodes and "
+                              f"--nproc-per-node")
+        self.cfg = dataclasses.replace(self.cfg, control_only=bool(layout["control_only"]))
+        if self.cfg.node_rank not in self.cfg.training_hosts:
+            raise LaunchError("host 0 is the control-only host: training hosts are "
+                              "--node-rank 1 .. --nnodes - 1")
+
     def _run_other_host(self) -> int:
         cfg, epoch = self.cfg, -1
         while True:
@@ -269,10 +292,18 @@ class Launcher:
                 log.info("deadpool-launch: host %d, epoch %d: ranks %d..%d and %d warm "
                          "spares started", cfg.node_rank, epoch, cfg.local_ranks()[0],
                          cfg.local_ranks()[-1], len(spares))
-                while workers.store.read(keys.SHUTDOWN) is None:
-                    workers.poll()
-                    self._ask_to_stop(workers)
-                    self._tick()
+                try:
+                    while workers.store.read(keys.SHUTDOWN) is None:
+                        workers.poll()
+                        self._ask_to_stop(workers)
+                        self._tick()
+                except dist.DistError:
+                    # Host 0 is gone: the workers notice too; they flush and exit.
+                    log.error("deadpool-launch: host %d lost the control plane; its workers "
+                              "get --flush-timeout %.0f s to write their snapshots and exit",
+                              cfg.node_rank, cfg.flush_timeout)
+                    workers.stop(cfg.flush_timeout)
+                    raise
                 workers.poll()
                 workers.stop(cfg.shutdown_timeout)
                 workers.poll()

@@ -527,3 +527,22 @@ def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
             written.setdefault(str(rank), []).append(iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written
+
+
+def flush_alone(member: Member, training: StoppableThread | None) -> None:
+    """The control plane is gone: no declaration will come, so this rank stops, writes what
+    it holds of itself to --save and commits what is complete there (no files are removed:
+    its peers may still be writing). Nothing keeps training blind."""
+    from deadpool_megatron.snapshot import flush
+
+    if training is not None and training.alive():
+        training.stop_now()
+        _join_cutting(member, training, sever_connections(set()))
+    member.engine.stop_worker(member.engine.leave(), STOP_TIMEOUT_S)
+    written = flush_held(member, set())
+    committed = flush.commit(member.cfg.save, member.world, prune=False) \
+        if member.cfg.save else None
+    member.events.emit("flushed", generation=member.generation, reason="control plane lost",
+                       written=written, committed=committed)
+    log.error("rank %d: the control plane is lost: flushed %s; newest complete flush under "
+              "--save: %s", member.rank, written, committed)

@@ -96,16 +96,16 @@ def complete_iterations(save: str, world: int) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def commit(save: str, world: int) -> int | None:
+def commit(save: str, world: int, prune: bool = True) -> int | None:
     """Point the flush marker at the newest complete iteration (if newer than the marked
-    one) and drop the other flushed iterations; returns the marked iteration."""
+    one) and (`prune`) drop the other flushed iterations; returns the marked iteration."""
     complete = complete_iterations(save, world)
     marked = latest(save)
     if complete and (marked is None or complete[0] > marked):
         _write_atomic(os.path.join(save, ROOT, LATEST), str(complete[0]).encode())
         marked = complete[0]
     root = os.path.join(save, ROOT)
-    for name in os.listdir(root) if os.path.isdir(root) else []:
+    for name in os.listdir(root) if os.path.isdir(root) and prune else []:
         m = _ITER.match(name)
         if m and int(m.group(1)) != marked:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -159,7 +159,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     """One deadpool-launch per simulated host on this machine, as under Slurm: host 0 picks
     a free control-plane port, which the others are then given (no free-port race).
     logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
-    launcher with all its workers `delay` s after `text` appears in its log (a lost host).
+    launcher with all its workers `delay` s after `text` appears in any host's log (a lost
+    host).
     freeze_host=(h, text, thaw): SIGSTOP host h's launcher and workers when `text` appears
     in its log, SIGCONT them when `thaw` appears in host 0's (a host cut off for a while).
     term_host=(h, text): SIGTERM to host h's launcher and workers when `text` appears in its
@@ -200,7 +201,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
             if time.monotonic() > deadline:
                 timed_out = True
             elif kill_host is not None and killed_at is None and \
-                    kill_host[1] in paths[kill_host[0]].read_text(errors="replace"):
+                    any(kill_host[1] in path.read_text(errors="replace") for path in paths):
                 killed_at = time.monotonic() + kill_host[2]
             elif killed_at is not None and time.monotonic() >= killed_at:
                 _kill_group(procs[kill_host[0]])

@@ -269,6 +269,7 @@ def _recover(member: Member, training: GenerationThread | None,
     from deadpool_megatron.reconstruct.recovery import recover
 
     while True:
+        _flush_if_control_lost(member, training)
         log.warning("rank %d: generation %d broken (%s); recovering", member.rank,
                     member.generation, str(err).splitlines()[0][:160] if str(err) else err)
         try:
@@ -276,15 +277,25 @@ def _recover(member: Member, training: GenerationThread | None,
         except JobFlushed as flushed:
             log.warning("%s", flushed)
             _exit(0)
-        except (JobShutdown, TimeoutError) as end:
-            log.error("rank %d: no recovery: %s", member.rank, end)
-            _exit(1)
-        except (RecoveryImpossible, CannotContinue, NotAMember) as fatal:
-            _exit(_leave_job(member, fatal))
-        except Exception as again:  # noqa: BLE001 - a failure during recovery
-            if not caused_by_a_peer(again):
+        except BaseException as again:  # noqa: BLE001 - sorted out below
+            _flush_if_control_lost(member, training)
+            if isinstance(again, (JobShutdown, TimeoutError)):
+                log.error("rank %d: no recovery: %s", member.rank, again)
+                _exit(1)
+            if isinstance(again, (RecoveryImpossible, CannotContinue, NotAMember)):
+                _exit(_leave_job(member, again))
+            if not isinstance(again, Exception) or not caused_by_a_peer(again):
                 _exit(_leave_job(member, again, traceback.format_exc()))
             err, training = without_frames(again), None
+
+
+def _flush_if_control_lost(member: Member, training: GenerationThread | None) -> None:
+    """Without the control plane no recovery can be declared: flush and leave."""
+    from deadpool_megatron.reconstruct.recovery import flush_alone
+
+    if member.ctl.control_lost.is_set():
+        flush_alone(member, training)
+        _exit(1)
 
 
 def _leave_job(member: Member, err: BaseException, details: str = "") -> int:
