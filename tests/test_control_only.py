@@ -56,7 +56,7 @@ def test_the_first_training_host_lost_as_a_whole_is_recovered(
     events = tmp_path / "events"
     args = [*GPT_3D_ARGS, "--train-iters", "8", "--deadpool", "--deadpool-events",
             str(events)]
-    common = ["--nproc-per-node", "4", "--heartbeat-timeout", "3"]
+    common = ["--nproc-per-node", "4", "--heartbeat-timeout", "6"]
     stop = threading.Event()
     forger = threading.Thread(target=_forge_heartbeats, args=(tmp_path / "host0.log", stop),
                               daemon=True)

@@ -92,7 +92,8 @@ class SignedStore:
         self.raw = store
         self.store = dist.PrefixStore(prefix, store) if prefix else store
         self.token, self.prefix = token, prefix
-        self._rejected: set[tuple[str, bytes]] = set()
+        self._seen: set[tuple[str, bytes]] = set()
+        self._rejected: dict[str, int] = {}
 
     @property
     def port(self) -> int:
@@ -114,16 +115,20 @@ class SignedStore:
 
     def _verified(self, key: str, value: bytes) -> bytes | None:
         payload = verify(self.token, self.prefix + key, value)
-        if payload is None and (key, value) not in self._rejected:
-            if len(self._rejected) < 10_000:  # bounded: a flood of forgeries is not a leak
-                self._rejected.add((key, value))
-            log.warning("control plane: ignored a write to %s%s that does not carry the "
-                        "job token (%d bytes: %r)", self.prefix, key, len(value), value[:80])
+        if payload is None and (key, value) not in self._seen:
+            if len(self._seen) < 10_000:  # bounded: a flood of forgeries is not a leak
+                self._seen.add((key, value))
+            count = self._rejected[key] = self._rejected.get(key, 0) + 1
+            if count <= 3 or count & (count - 1) == 0:  # the first few, then 2^k-th ones
+                log.warning("control plane: ignored a write to %s%s that does not carry "
+                            "the job token (%d bytes: %r; %d such values so far)",
+                            self.prefix, key, len(value), value[:80], count)
         return payload
 
     @property
-    def rejected(self) -> int:
-        return len(self._rejected)
+    def rejected(self) -> dict[str, int]:
+        """How many distinct unauthenticated values each key was found holding."""
+        return dict(self._rejected)
 
     # -- unsigned pass-through ----------------------------------------------------------
     def check(self, keys: Iterable[str]) -> bool:
