@@ -12,7 +12,6 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -94,11 +93,8 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     if not ctl.rendezvous(generation, world_size, rank, waiter=store.control):
         return False
     laps("rendezvous")
-    if cfg.distributed_backend == "nccl":
-        # A spare keeps the device it was started on (its launcher slot), whatever rank it
-        # takes; an active worker's slot is its local rank.
-        slot = int(os.environ.get("DEADPOOL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(slot % torch.cuda.device_count())
+    # This (main) thread's device was set once at the process's start, from its launcher
+    # slot: a spare keeps its own device whatever rank it takes (integration/device.py).
     job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
     dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,

@@ -33,6 +33,7 @@ from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState
+from deadpool_megatron.integration.device import CPU, ProcessDevice
 from deadpool_megatron.integration.model import forget_collective_caches
 from deadpool_megatron.integration.plain_gather import BadPeerData, all_gather_plain
 from deadpool_megatron.metrics.events import EventLog
@@ -98,6 +99,7 @@ class Member:
     start_iteration: int | None = None  # where this job's training began (after --load)
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
     gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
+    device: ProcessDevice = CPU  # set in each thread here that may touch CUDA
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -436,23 +438,29 @@ def _release_in_background(member: Member) -> None:
     refs = [weakref.ref(pg) for pg in retired]
 
     def release() -> None:
-        retired.clear()  # each destructor runs here, as its last reference goes
-        t0 = time.monotonic()
-        alive = [name for name, ref in zip(names, refs) if ref() is not None]
-        while alive and time.monotonic() - t0 < RELEASE_WAIT_S:
-            # Held by a young reference cycle (the broken iteration's autograd graph):
-            # collect it here, not in whatever thread the collector would pick.
-            gc.collect(1)
-            alive = [name for name, ref in zip(names, refs) if ref() is not None]
-            if alive:
-                time.sleep(0.05)
-        member.events.emit("groups_released", released=len(refs) - len(alive), alive=alive,
-                           after_ms=round(1e3 * (time.monotonic() - t0), 1))
-        if alive:
-            log.warning("rank %d: %d groups of an old generation are still held (%s): their "
-                        "threads keep polling", member.rank, len(alive), ", ".join(alive[:5]))
+        with member.device.thread():  # NCCL communicators are destroyed on their device
+            _release(retired, names, refs, member)
 
     threading.Thread(target=release, name="deadpool-release", daemon=True).start()
+
+
+def _release(retired: list[Any], names: list[str], refs: list[Any], member: Member) -> None:
+    """The release thread's body: drop the groups, report any still held."""
+    retired.clear()  # each destructor runs here, as its last reference goes
+    t0 = time.monotonic()
+    alive = [name for name, ref in zip(names, refs) if ref() is not None]
+    while alive and time.monotonic() - t0 < RELEASE_WAIT_S:
+        # Held by a young reference cycle (the broken iteration's autograd graph):
+        # collect it here, not in whatever thread the collector would pick.
+        gc.collect(1)
+        alive = [name for name, ref in zip(names, refs) if ref() is not None]
+        if alive:
+            time.sleep(0.05)
+    member.events.emit("groups_released", released=len(refs) - len(alive), alive=alive,
+                       after_ms=round(1e3 * (time.monotonic() - t0), 1))
+    if alive:
+        log.warning("rank %d: %d groups of an old generation are still held (%s): their "
+                    "threads keep polling", member.rank, len(alive), ", ".join(alive[:5]))
 
 
 def _durable_iteration(cfg: TrainConfig) -> int:

@@ -32,6 +32,7 @@ from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.metrics.errors import without_frames
@@ -91,14 +92,18 @@ class SnapshotStats:
 
 class SnapshotEngine(TrainingHooks):
     def __init__(self, cfg: TrainConfig, ft: DeadPoolConfig, injector: FaultInjector,
-                 events: EventLog) -> None:
+                 events: EventLog, device: ProcessDevice | None = None) -> None:
         self.cfg, self.ft = cfg, ft
+        # The process's device (its launcher slot's), which the worker thread sets for
+        # itself: CUDA's current device is per thread.
+        self.device = device if device is not None else ProcessDevice.choose(
+            cfg.distributed_backend)
         self.injector, self.events = injector, events
         self.stats = SnapshotStats()
         self.committed_iteration: int | None = None
         injector.follow_commits(self._committed)  # wait=commit faults read it
         self.pipe: _Pipeline | None = None
-        self._cuda = torch.cuda.is_available()
+        self._cuda = self.device.index is not None
         self._side_stream: Any = None
         self.own: DoubleBuffer | None = None
         self.ward_buffer: DoubleBuffer | None = None
@@ -189,7 +194,7 @@ class SnapshotEngine(TrainingHooks):
         sizes = all_gather_plain(self.manifest.nbytes, group=self.group)
         self.ensure_ward_buffer(int(sizes[self.ward]))
         if self._cuda and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
+            self._side_stream = torch.cuda.Stream(device=self.device.index)
         self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),
                                             name="deadpool-snapshot", daemon=True)
         self.pipe.thread.start()
@@ -296,6 +301,10 @@ class SnapshotEngine(TrainingHooks):
 
     # -- worker thread ---------------------------------------------------------------------
     def _work(self, pipe: _Pipeline) -> None:
+        with self.device.thread():
+            self._serve(pipe)
+
+    def _serve(self, pipe: _Pipeline) -> None:
         while True:
             job = pipe.queue.get()
             if job is None:

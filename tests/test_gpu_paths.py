@@ -1,0 +1,97 @@
+"""The GPU branches, checked on CPU through a fake device layer (testing/fake_cuda.py):
+which device each thread sets, the device layout of active workers and spares."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.faults.injector import FaultInjector
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.integration.device import DeviceLayoutError, ProcessDevice
+from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.testing.fake_cuda import FakeCuda
+
+SLOT = 3  # the launcher slot of the worker under test: not device 0, where threads start
+
+
+@pytest.fixture
+def slot3(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEADPOOL_DEVICE_SLOT", str(SLOT))
+    monkeypatch.setenv("LOCAL_RANK", str(SLOT))
+
+
+def test_the_device_is_the_launcher_slot_and_a_spare_beyond_the_gpus_is_refused() -> None:
+    with FakeCuda(devices=8):
+        assert ProcessDevice.choose("nccl", {"DEADPOOL_DEVICE_SLOT": "3", "LOCAL_RANK": "0"}) \
+            == ProcessDevice(3)
+        assert ProcessDevice.choose("nccl", {"LOCAL_RANK": "5"}) == ProcessDevice(5)
+        # --nproc-per-node 8 --spares 2 on an 8-GPU host: the first spare has slot 8.
+        with pytest.raises(DeviceLayoutError, match="--nproc-per-node plus --spares at most 8"):
+            ProcessDevice.choose("nccl", {"DEADPOOL_DEVICE_SLOT": "8"})
+        # gloo over CUDA tensors may share a GPU (the single-GPU check).
+        assert ProcessDevice.choose("gloo", {"DEADPOOL_DEVICE_SLOT": "9"}) == ProcessDevice(1)
+    if not torch.cuda.is_available():
+        assert ProcessDevice.choose("gloo", {"DEADPOOL_DEVICE_SLOT": "3"}) == ProcessDevice(None)
+        with pytest.raises(DeviceLayoutError, match="--distributed-backend gloo"):
+            ProcessDevice.choose("nccl", {})
+
+
+def test_the_training_thread_sets_the_process_device() -> None:
+    from deadpool_megatron.training.elastic import GenerationThread
+    from deadpool_megatron.training.main import thread_context
+
+    seen: list[int] = []
+    with FakeCuda(devices=8) as cuda:
+        device = ProcessDevice(SLOT)
+        device.bind()  # the main thread's, as main() does
+        thread = GenerationThread(lambda stops: seen.append(torch.cuda.current_device()),
+                                  thread_context(device, None))
+        thread.run(threading.Event())
+        assert cuda.devices_of("MainThread", "set_device") == {SLOT}
+    assert seen == [SLOT]
+
+
+def test_the_snapshot_worker_sets_the_process_device(slot3, monkeypatch) -> None:
+    """The engine of a worker in slot 3 copies its snapshots on device 3, not on 0."""
+    from deadpool_megatron.snapshot import engine as engine_mod
+
+    seen: list[int] = []
+    with FakeCuda(devices=8):
+        torch.cuda.set_device(SLOT)  # the main thread's device only
+        engine = engine_mod.SnapshotEngine(TrainConfig(distributed_backend="nccl"),
+                                           DeadPoolConfig(deadpool=True),
+                                           FaultInjector([], 0), EventLog(None, 0))
+        monkeypatch.setattr(engine, "_snapshot",
+                            lambda job, group: seen.append(torch.cuda.current_device()))
+        pipe = engine_mod._Pipeline(group=None)
+        worker = threading.Thread(target=engine._work, args=(pipe,), name="deadpool-snapshot")
+        pipe.queue.put(engine_mod._Job(iteration=1, objects=b""))
+        pipe.queue.put(None)
+        worker.start()
+        worker.join()
+    assert seen == [SLOT]
+
+
+def test_the_release_thread_sets_the_process_device() -> None:
+    """Old groups (NCCL communicators) are destroyed on the process's device."""
+    from deadpool_megatron.reconstruct.recovery import _release_in_background
+
+    released = threading.Event()
+    seen: list[int] = []
+
+    class Events:
+        def emit(self, kind: str, **fields) -> None:
+            seen.append(torch.cuda.current_device())
+            released.set()
+
+    member = types.SimpleNamespace(retired_groups=[], device=ProcessDevice(SLOT),
+                                   events=Events(), rank=0)
+    with FakeCuda(devices=8):
+        _release_in_background(member)
+        assert released.wait(60)
+    assert seen == [SLOT]
