@@ -95,3 +95,40 @@ def test_the_release_thread_sets_the_process_device() -> None:
         _release_in_background(member)
         assert released.wait(60)
     assert seen == [SLOT]
+
+
+@pytest.mark.parametrize("nproc, spares, backend, devices, refused", [
+    (8, 2, "nccl", 8, True),  # spares would share GPUs 0 and 1
+    (8, 1, "nccl", 8, True),
+    (7, 1, "nccl", 8, False),  # the README's layout
+    (8, 0, "nccl", 8, False),
+    (8, 2, "gloo", 8, False),  # gloo may share a GPU
+    (8, 2, "nccl", 0, False),  # no GPU seen by the launcher: the workers say so
+])
+def test_launcher_refuses_more_workers_and_spares_than_gpus(nproc, spares, backend, devices,
+                                                            refused) -> None:
+    from deadpool_megatron.launch.config import LaunchConfig, LaunchError
+
+    cfg = LaunchConfig(nproc_per_node=nproc, spares=spares)
+    if refused:
+        with pytest.raises(LaunchError, match=f"need {nproc + spares} GPUs on this host, "
+                                              f"which has {devices}"):
+            cfg.check_devices(backend, devices)
+    else:
+        cfg.check_devices(backend, devices)
+
+
+def test_deadpool_launch_exits_2_naming_the_gpu_layout(monkeypatch, capsys) -> None:
+    from deadpool_megatron.launch import launcher
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(SystemExit) as end:
+        launcher.main(["--nproc-per-node", "8", "--spares", "2", "train.py", "--deadpool"])
+    assert end.value.code == 2
+    assert "--nproc-per-node 7 --spares 1" in capsys.readouterr().err
+    # The same layout with gloo (named either way) is accepted up to the launch itself.
+    from deadpool_megatron.launch.config import script_backend
+
+    assert script_backend(["--distributed-backend=gloo"]) == "gloo"
+    assert script_backend(["--distributed-backend", "gloo"]) == "gloo"
+    assert script_backend(["--deadpool"]) == "nccl"
