@@ -14,6 +14,7 @@ from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.integration.device import DeviceLayoutError, ProcessDevice
 from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.snapshot.engine import SnapshotEngine
 from deadpool_megatron.testing.fake_cuda import FakeCuda
 
 SLOT = 3  # the launcher slot of the worker under test: not device 0, where threads start
@@ -132,3 +133,33 @@ def test_deadpool_launch_exits_2_naming_the_gpu_layout(monkeypatch, capsys) -> N
     assert script_backend(["--distributed-backend=gloo"]) == "gloo"
     assert script_backend(["--distributed-backend", "gloo"]) == "gloo"
     assert script_backend(["--deadpool"]) == "nccl"
+
+
+class _Objects:
+    """What the snapshot engine reads of the training objects: model chunks, optimizer."""
+
+    def __init__(self, width: int) -> None:
+        self.model = [torch.nn.Linear(width, 4)]
+        self.optimizer = types.SimpleNamespace(
+            optimizer=torch.optim.Adam(self.model[0].parameters(), lr=0.1))
+
+
+def test_snapshot_slots_stay_pinned_when_renewed() -> None:
+    """First slots, slots renewed for another shard size, the ward's, and a fetched copy."""
+    with FakeCuda(devices=8) as cuda:
+        engine = SnapshotEngine(TrainConfig(distributed_backend="nccl"),
+                                DeadPoolConfig(deadpool=True), FaultInjector([], 0),
+                                EventLog(None, 0), ProcessDevice(SLOT))
+        engine.attach(_Objects(8))
+        first = engine.own
+        assert first.pinned
+        engine.attach(_Objects(16))  # the layout grew: new slots
+        assert engine.own is not first and engine.own.pinned
+        engine.ensure_ward_buffer(1024)
+        engine.ensure_ward_buffer(2048)
+        assert engine.ward_buffer.pinned and engine.ward_buffer.nbytes == 2 * 2048
+        assert cuda.is_pinned(engine.own.loose_slot().flat)
+    cpu = SnapshotEngine(TrainConfig(distributed_backend="gloo"), DeadPoolConfig(deadpool=True),
+                         FaultInjector([], 0), EventLog(None, 0), ProcessDevice(None))
+    cpu.attach(_Objects(8))
+    assert not cpu.own.pin  # nothing to pin without a GPU

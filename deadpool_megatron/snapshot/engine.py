@@ -173,12 +173,16 @@ class SnapshotEngine(TrainingHooks):
         self.objects = objs
         self.manifest = build_manifest(objs.model, objs.optimizer,
                                        self.cfg.use_distributed_optimizer)
-        if self.own is None or self.own.slots[0].flat.numel() != self.manifest.nbytes:
-            self.own = DoubleBuffer.allocate(self.manifest.nbytes, pin=self._cuda)
+        self.own = self._sized(self.own, self.manifest.nbytes)
 
     def ensure_ward_buffer(self, nbytes: int) -> None:
-        if self.ward_buffer is None or self.ward_buffer.slots[0].flat.numel() != nbytes:
-            self.ward_buffer = DoubleBuffer.allocate(nbytes, pin=self._cuda)
+        self.ward_buffer = self._sized(self.ward_buffer, nbytes)
+
+    def _sized(self, buffer: DoubleBuffer | None, nbytes: int) -> DoubleBuffer:
+        """`buffer` if it has the size, else new slots, pinned on a GPU machine."""
+        if buffer is None:
+            return DoubleBuffer.allocate(nbytes, pin=self._cuda)
+        return buffer if buffer.slots[0].flat.numel() == nbytes else buffer.renewed(nbytes)
 
     def on_train_start(self, state: LoopState) -> None:
         if self.pipe is None:
@@ -294,7 +298,7 @@ class SnapshotEngine(TrainingHooks):
         ward_copy = self.ward_buffer.committed_slot()
         if ward_copy is None:
             raise SnapshotError(f"rank {self.rank}: no committed snapshot yet")
-        incoming = Slot(torch.empty(self.manifest.nbytes, dtype=torch.uint8))
+        incoming = self.own.loose_slot()
         exchange(self.group, ward_copy, self.ward, incoming, self.buddy,
                  chunk_bytes=self.chunk_bytes)
         return incoming

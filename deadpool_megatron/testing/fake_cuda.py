@@ -4,7 +4,7 @@ Without a GPU, `torch.cuda` cannot say which device a thread would use. Inside `
 the calls the fault-tolerance layer makes (device choice, streams, events, RNG state) are
 answered in Python: the current device is kept per thread, as CUDA keeps it, and every
 call is recorded with the thread that made it and the device current in it. Tensors stay on
-the CPU. On exit every patched function is put back.
+the CPU; "pinning" one marks it, so a test can ask which host buffers would be pinned. On exit every patched function is put back.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ class FakeCuda:
     rng: dict[int, torch.Tensor] = field(default_factory=dict)  # a state per device
     _local: threading.local = field(default_factory=threading.local)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    pinned: set[int] = field(default_factory=set)  # data pointers of "pinned" tensors
     _saved: dict[str, Any] = field(default_factory=dict)
+    _saved_tensor: dict[str, Any] = field(default_factory=dict)
 
     # -- what the tests read -------------------------------------------------------------
     def current_device(self) -> int:
@@ -97,6 +99,15 @@ class FakeCuda:
         for i, state in enumerate(states):
             self.set_rng_state(state, i)
 
+    def pin_memory(self, tensor: torch.Tensor, *_: object) -> torch.Tensor:
+        """The tensor itself, marked pinned (CPU-only torch has no pinned allocator)."""
+        self.pinned.add(tensor.data_ptr())
+        self.record("pin_memory")
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor, *_: object) -> bool:
+        return tensor.data_ptr() in self.pinned
+
     @contextlib.contextmanager
     def stream(self, _stream: object) -> Iterator[None]:
         yield
@@ -122,9 +133,16 @@ class FakeCuda:
         for name, replacement in self._patches().items():
             self._saved[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, replacement)
+        for name in ("pin_memory", "is_pinned"):
+            self._saved_tensor[name] = getattr(torch.Tensor, name)
+            method = getattr(self, name)  # a plain function: bound to the tensor by Python
+            setattr(torch.Tensor, name, lambda tensor, *args, _m=method: _m(tensor, *args))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, original in self._saved.items():
             setattr(torch.cuda, name, original)
         self._saved.clear()
+        for name, original in self._saved_tensor.items():
+            setattr(torch.Tensor, name, original)
+        self._saved_tensor.clear()
