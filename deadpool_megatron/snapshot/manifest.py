@@ -1,8 +1,9 @@
 """What a rank's shard of the training state is, and how it maps onto one flat host buffer.
 
-The tensors: model parameters, then every optimizer state tensor (Adam moments, step) and
-every optimizer main parameter that is not the model parameter itself or a view into it
-(fp32 distributed-optimizer shards are views; copying them twice would waste bytes).
+The tensors: model parameters, the model's registered buffers (updated in place, as FP8
+scaling history and MoE expert bias are), then every optimizer state tensor (Adam moments,
+step) and every optimizer main parameter that is not the model parameter itself or a view
+into it (fp32 distributed-optimizer shards are views; copying them twice would waste bytes).
 The small objects (iteration, data position, scheduler, RNG streams) are serialized apart,
 as tensors and plain data only: a copy received from a buddy is never unpickled as
 arbitrary objects.
@@ -77,6 +78,13 @@ def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool
     for name, p in model_params:
         # Parameters are the same on every data-parallel replica (all-reduced or all-gathered).
         add(name, p.detach(), replicated=True)
+    for ci, chunk in enumerate(model):
+        for name, b in chunk.named_buffers():
+            # Training state kept outside parameters (FP8 scaling history, MoE router expert
+            # bias...): not claimed equal on every replica. A buffer that is a view of a
+            # parameter is already copied with it.
+            if not _aliases_model(b, spans):
+                add(f"model{ci}.buffer.{name}", b.detach(), replicated=False)
     for name, value in iter_optimizer_tensors(optimizer):
         if not isinstance(value, torch.Tensor):
             continue
