@@ -18,7 +18,7 @@ from torch.distributed import distributed_c10d as c10d
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
-from deadpool_megatron.control.sockets import socket_fds
+from deadpool_megatron.control.sockets import socket_fd_inodes
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
 
@@ -108,9 +108,17 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     return True
 
 
-def sever_connections(keep_ports: set[int]) -> int:
-    """Shut down every TCP connection of this process except those to or from `keep_ports`
-    (the control-plane store), whatever its state; returns how many were cut.
+def socket_inodes() -> frozenset[int]:
+    """This process's sockets now: taken as a generation begins forming, what is older than
+    the generation (other libraries' connections, the control plane's) is never cut."""
+    return frozenset(inode for _, inode in socket_fd_inodes())
+
+
+def sever_connections(keep_ports: set[int], older: frozenset[int] = frozenset()) -> int:
+    """Shut down every TCP connection of this process opened since `older` was taken (the
+    generation's own: its gloo pairs, its snapshot group's, NCCL's socket transport),
+    except those to or from `keep_ports` (the control-plane store), whatever its state;
+    returns how many were cut.
 
     Called between generations, before any new group exists: what remains are the broken
     generation's gloo pairs. A collective blocked on one of them (in the stopping training
@@ -122,10 +130,10 @@ def sever_connections(keep_ports: set[int]) -> int:
     import socket
 
     cut = 0
-    for sock, local, peer in _tcp_sockets():
+    for sock, local, peer, inode in _tcp_sockets():
         with sock:
-            if peer is None or local in keep_ports or peer in keep_ports:
-                continue  # listening or not yet connected; or the control plane's
+            if peer is None or local in keep_ports or peer in keep_ports or inode in older:
+                continue  # listening or not yet connected; the control plane's; older
             try:
                 sock.shutdown(socket.SHUT_RDWR)
                 cut += 1
@@ -138,18 +146,18 @@ def open_connections() -> list[str]:
     """This process's TCP sockets as "local->peer" ports ("local listening/unconnected"):
     what a report of a thread that would not stop shows."""
     out = []
-    for sock, local, peer in _tcp_sockets():
+    for sock, local, peer, _ in _tcp_sockets():
         with sock:
             out.append(f"{local}->{peer}" if peer is not None else f"{local} unconnected")
     return out
 
 
-def _tcp_sockets() -> Iterator[tuple[Any, int, int | None]]:
-    """(a duplicate of the socket, its local port, its peer's port or None) for each TCP
-    socket of this process; the caller closes the duplicate."""
+def _tcp_sockets() -> Iterator[tuple[Any, int, int | None, int]]:
+    """(a duplicate of the socket, its local port, its peer's port or None, its inode) for
+    each TCP socket of this process; the caller closes the duplicate."""
     import socket
 
-    for fd in socket_fds():
+    for fd, inode in socket_fd_inodes():
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -167,4 +175,4 @@ def _tcp_sockets() -> Iterator[tuple[Any, int, int | None]]:
             peer = sock.getpeername()[1]
         except OSError:
             peer = None
-        yield sock, local, peer
+        yield sock, local, peer, inode

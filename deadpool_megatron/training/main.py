@@ -57,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Under deadpool-launch: join the control plane before the long imports.
     ctl = ControlClient.from_env() if ft.deadpool else None
+    if ctl is not None and cfg.distributed_backend == "nccl":
+        from deadpool_megatron.reconstruct.abort import configure_nccl_error_handling
+
+        overridden = configure_nccl_error_handling(os.environ)  # before any group exists
+        if overridden:
+            logging.getLogger("deadpool_megatron.train").warning("%s", overridden)
 
     from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import, rehearsal_needed
 
