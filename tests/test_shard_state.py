@@ -140,3 +140,27 @@ def test_the_rng_state_is_plain_data_for_a_weights_only_load(tracker) -> None:
     back = unpack_objects(pack_objects({"rng": get_rng_state()}))["rng"]
     assert back["python"]["words"].dtype == torch.int64
     assert back["numpy"]["kind"] == "MT19937" and back["numpy"]["keys"].numel() == 624
+
+
+class _Float32Router(torch.nn.Module):
+    """Like Megatron's MoE router: in bf16 its expert bias moves to fp32 (new storage) at
+    the first forward, unless settled first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(3, dtype=torch.bfloat16))
+
+    def _maintain_float32_expert_bias(self) -> None:
+        if self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.to(torch.float32)
+
+
+def test_buffers_are_settled_first_and_a_replaced_buffer_is_named() -> None:
+    router = _Float32Router()
+    manifest = build_manifest([router], types.SimpleNamespace(optimizer=None), False)
+    assert router.expert_bias.dtype == torch.float32
+    assert [e.nbytes for e in manifest.entries] == [3 * 4]
+    router.expert_bias.add_(1.0)  # in place: followed
+    assert manifest.moved_buffers() == []
+    router.expert_bias = torch.ones(3)  # replaced: the snapshot would hold a stale copy
+    assert manifest.moved_buffers() == ["model0.buffer.expert_bias"]

@@ -228,6 +228,12 @@ class SnapshotEngine(TrainingHooks):
         if pipe.thread is None:
             self._start()
         self._wait(pipe, pipe.idle, "the previous snapshot to commit")
+        moved = self.manifest.moved_buffers()
+        if moved:
+            raise SnapshotError(
+                f"rank {self.rank}: module buffers {', '.join(moved[:5])} were replaced, not "
+                f"updated in place, since the snapshot layout was built: a snapshot would "
+                f"hold stale copies. Update them in place (copy_) or run without --deadpool")
         objects = capture_objects(self.manifest, state.objects, state.iteration,
                                   state.consumed_samples)
         self.captured = {state.iteration: objects,
