@@ -57,7 +57,7 @@ class ProcessDevice:
                 f"host has {count} CUDA devices: with NCCL every active worker and every "
                 f"spare of a host needs a GPU of its own. Make --nproc-per-node plus "
                 f"--spares at most {count} (for example --nproc-per-node {max(count - 1, 1)} "
-                f"--spares 1), or run the spares on hosts of their own.")
+                f"--spares 1).")
         return cls(slot % count)
 
     def bind(self) -> None:

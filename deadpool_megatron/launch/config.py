@@ -78,8 +78,8 @@ class LaunchConfig:
             f"--nproc-per-node {self.nproc_per_node} plus --spares {self.spares} need "
             f"{needed} GPUs on this host, which has {devices}: with the nccl backend every "
             f"worker and every spare needs a GPU of its own. Use for example "
-            f"--nproc-per-node {max(devices - 1, 1)} --spares 1, or run the spares on "
-            f"hosts of their own.")
+            f"--nproc-per-node {max(devices - 1, 1)} --spares 1 (a spare on any host may "
+            f"replace any rank).")
 
 
 def script_backend(script_args: list[str]) -> str:
