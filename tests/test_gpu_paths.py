@@ -163,3 +163,28 @@ def test_snapshot_slots_stay_pinned_when_renewed() -> None:
                          FaultInjector([], 0), EventLog(None, 0), ProcessDevice(None))
     cpu.attach(_Objects(8))
     assert not cpu.own.pin  # nothing to pin without a GPU
+
+
+def test_the_snapshot_side_stream_is_on_the_process_device(slot3) -> None:
+    """The side stream is made by the training thread at the first snapshot: on the
+    process's device even in a thread that never set one."""
+    import torch.distributed as dist
+
+    from deadpool_megatron.snapshot import engine as engine_mod
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with FakeCuda(devices=8):
+            engine = engine_mod.SnapshotEngine(TrainConfig(distributed_backend="nccl"),
+                                               DeadPoolConfig(deadpool=True),
+                                               FaultInjector([], 0), EventLog(None, 0))
+            engine.attach(_Objects(8))
+            engine.rank, engine.buddy, engine.ward = 0, 0, 0
+            engine.pipe = engine_mod._Pipeline(group=dist.new_group(backend="gloo"))
+            starter = threading.Thread(target=engine._start, name="deadpool-train")
+            starter.start()
+            starter.join()
+            engine.stop()
+            assert engine._side_stream.device == SLOT
+    finally:
+        dist.destroy_process_group()
