@@ -14,7 +14,7 @@ import torch
 
 from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.rehearsal import prepare_megatron_import
-from deadpool_megatron.snapshot.buffers import Slot, checksum, host_tensor
+from deadpool_megatron.snapshot.buffers import Slot, checksum
 from deadpool_megatron.snapshot.manifest import build_manifest, copy_into
 from deadpool_megatron.testing.fake_cuda import FakeCuda
 
@@ -95,7 +95,7 @@ def test_buffers_and_every_rng_survive_a_buddy_restore(tracker) -> None:
         manifest = build_manifest(source.model, source.optimizer, False)
         assert [e.name for e in manifest.entries if ".buffer." in e.name] == [
             "model0.buffer.expert_bias", "model0.buffer.amax_history"]
-        own = Slot(host_tensor(manifest.nbytes, pin=False))
+        own = Slot(torch.empty(manifest.nbytes, dtype=torch.uint8))
         copy_into(manifest, own.flat)
         own.objects, own.iteration = capture_objects(manifest, source, 5, 40), 5
         own.crc = checksum(own.flat, own.objects)
