@@ -26,7 +26,7 @@ DEVICES=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --devices) DEVICES="$2"; shift ;;
+    --devices) DEVICES="${2:?--devices needs a GPU count}"; shift ;;
     -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --devices N)" >&2; exit 2 ;;
   esac

@@ -61,6 +61,7 @@ class FakeCuda:
     pinned: set[int] = field(default_factory=set)  # data pointers of "pinned" tensors
     _saved: dict[str, Any] = field(default_factory=dict)
     _saved_tensor: dict[str, Any] = field(default_factory=dict)
+    _saved_torch: dict[str, Any] = field(default_factory=dict)
 
     # -- what the tests read -------------------------------------------------------------
     def current_device(self) -> int:
@@ -105,6 +106,11 @@ class FakeCuda:
         self.record("pin_memory")
         return tensor
 
+    def empty(self, *size: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        """torch.empty, where pin_memory=True gives a tensor marked pinned."""
+        tensor = self._saved_torch["empty"](*size, **kwargs)
+        return self.pin_memory(tensor) if pin_memory else tensor
+
     def is_pinned(self, tensor: torch.Tensor, *_: object) -> bool:
         return tensor.data_ptr() in self.pinned
 
@@ -137,6 +143,8 @@ class FakeCuda:
             self._saved_tensor[name] = getattr(torch.Tensor, name)
             method = getattr(self, name)  # a plain function: bound to the tensor by Python
             setattr(torch.Tensor, name, lambda tensor, *args, _m=method: _m(tensor, *args))
+        self._saved_torch["empty"] = torch.empty
+        torch.empty = self.empty
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -146,3 +154,6 @@ class FakeCuda:
         for name, original in self._saved_tensor.items():
             setattr(torch.Tensor, name, original)
         self._saved_tensor.clear()
+        for name, original in self._saved_torch.items():
+            setattr(torch, name, original)
+        self._saved_torch.clear()
