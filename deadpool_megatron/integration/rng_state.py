@@ -17,7 +17,7 @@ import torch
 
 def _python_state() -> dict[str, Any]:
     version, words, gauss = random.getstate()
-    return {"version": version, "words": torch.tensor(words, dtype=torch.int64),
+    return {"version": version, "words": torch.from_numpy(np.array(words, dtype=np.int64)),
             "gauss": gauss}
 
 
