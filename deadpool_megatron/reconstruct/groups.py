@@ -130,10 +130,10 @@ def sever_connections(keep_ports: set[int], older: frozenset[int] = frozenset())
     import socket
 
     cut = 0
-    for sock, local, peer, inode in _tcp_sockets():
+    for sock, local, peer in _tcp_sockets(skip=older):
         with sock:
-            if peer is None or local in keep_ports or peer in keep_ports or inode in older:
-                continue  # listening or not yet connected; the control plane's; older
+            if peer is None or local in keep_ports or peer in keep_ports:
+                continue  # listening or not yet connected; or the control plane's
             try:
                 sock.shutdown(socket.SHUT_RDWR)
                 cut += 1
@@ -146,18 +146,21 @@ def open_connections() -> list[str]:
     """This process's TCP sockets as "local->peer" ports ("local listening/unconnected"):
     what a report of a thread that would not stop shows."""
     out = []
-    for sock, local, peer, _ in _tcp_sockets():
+    for sock, local, peer in _tcp_sockets():
         with sock:
             out.append(f"{local}->{peer}" if peer is not None else f"{local} unconnected")
     return out
 
 
-def _tcp_sockets() -> Iterator[tuple[Any, int, int | None, int]]:
-    """(a duplicate of the socket, its local port, its peer's port or None, its inode) for
-    each TCP socket of this process; the caller closes the duplicate."""
+def _tcp_sockets(skip: frozenset[int] = frozenset()) -> Iterator[tuple[Any, int, int | None]]:
+    """(a duplicate of the socket, its local port, its peer's port or None) for each TCP
+    socket of this process but those whose inode is in `skip` (not even duplicated); the
+    caller closes the duplicate."""
     import socket
 
     for fd, inode in socket_fd_inodes():
+        if inode in skip:
+            continue
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -175,4 +178,4 @@ def _tcp_sockets() -> Iterator[tuple[Any, int, int | None, int]]:
             peer = sock.getpeername()[1]
         except OSError:
             peer = None
-        yield sock, local, peer, inode
+        yield sock, local, peer
