@@ -4,7 +4,8 @@ Without a GPU, `torch.cuda` cannot say which device a thread would use. Inside `
 the calls the fault-tolerance layer makes (device choice, streams, events, RNG state) are
 answered in Python: the current device is kept per thread, as CUDA keeps it, and every
 call is recorded with the thread that made it and the device current in it. Tensors stay on
-the CPU; "pinning" one marks it, so a test can ask which host buffers would be pinned. On exit every patched function is put back.
+the CPU; "pinning" one marks it, so a test can ask which host buffers would be pinned. On
+exit every patched function is put back.
 """
 
 from __future__ import annotations
