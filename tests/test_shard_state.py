@@ -164,3 +164,24 @@ def test_buffers_are_settled_first_and_a_replaced_buffer_is_named() -> None:
     assert manifest.moved_buffers() == []
     router.expert_bias = torch.ones(3)  # replaced: the snapshot would hold a stale copy
     assert manifest.moved_buffers() == ["model0.buffer.expert_bias"]
+
+
+def test_the_next_snapshot_refuses_a_replaced_buffer_naming_it() -> None:
+    from deadpool_megatron.config import TrainConfig
+    from deadpool_megatron.faults.injector import FaultInjector
+    from deadpool_megatron.ft_config import DeadPoolConfig
+    from deadpool_megatron.hooks import LoopState
+    from deadpool_megatron.metrics.events import EventLog
+    from deadpool_megatron.snapshot.engine import SnapshotEngine, SnapshotError, _Pipeline
+
+    objs = _objects()
+    engine = SnapshotEngine(TrainConfig(distributed_backend="gloo"),
+                            DeadPoolConfig(deadpool=True), FaultInjector([], 0),
+                            EventLog(None, 0), ProcessDevice(None))
+    engine.attach(objs)
+    engine.rank, engine.pipe = 0, _Pipeline(group=None)
+    engine.pipe.thread = types.SimpleNamespace()  # a worker is running and idle
+    objs.model[0].expert_bias = torch.ones(3)
+    with pytest.raises(SnapshotError, match=r"model0\.buffer\.expert_bias were replaced"):
+        engine.after_iteration(LoopState(iteration=1, consumed_samples=8, objects=objs),
+                               force=True)
