@@ -23,8 +23,9 @@ def host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
     """Host bytes for a snapshot slot. On a GPU machine they are pinned: a side-stream copy
     into pageable memory is staged and synchronous, so the snapshot would no longer overlap
     the next iteration. Every slot, first or renewed, comes from here."""
-    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)  # pinned directly: no
-    if pin and not flat.is_pinned():  # pageable copy of a many-GB shard on the way
+    # Pinned as allocated: no pageable copy of a many-GB shard on the way.
+    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if pin and not flat.is_pinned():
         raise RuntimeError(f"could not pin {nbytes} bytes of host memory for a snapshot "
                            f"slot (raise the locked-memory limit, ulimit -l)")
     return flat
