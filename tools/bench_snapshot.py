@@ -6,6 +6,9 @@ measured side by side (jobs alternate off, on, off, on, ...) in one run of this 
 
 Prints the ratio of median iteration times (on / off), the bytes copied and sent per
 iteration, and the host memory each rank holds for snapshots. Writes a JSON summary.
+On a GPU machine the snapshot is a side-stream copy into pinned host memory
+(tools/gpu_check.sh runs it on a 1B-parameter model); `--dry-run` prints the jobs and the
+model's size, after checking their flags, and runs nothing.
 """
 
 from __future__ import annotations
@@ -30,13 +33,43 @@ SUMMARY = re.compile(r"per snapshot ([0-9.]+) MB copied in ([0-9.]+) ms, ([0-9.]
 
 
 def model_args(ns: argparse.Namespace) -> list[str]:
+    dp = ns.nproc // ns.tp
     return [
-        "--distributed-backend", "gloo", "--mock-data", "--num-layers", str(ns.layers),
-        "--hidden-size", str(ns.hidden), "--num-attention-heads", "8", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--vocab-size", str(ns.vocab),
-        "--micro-batch-size", "4", "--global-batch-size", str(4 * ns.nproc),
+        "--distributed-backend", ns.backend, "--mock-data", "--num-layers", str(ns.layers),
+        "--hidden-size", str(ns.hidden), "--num-attention-heads", "8",
+        "--seq-length", str(ns.seq), "--max-position-embeddings", str(ns.seq),
+        "--vocab-size", str(ns.vocab), "--tensor-model-parallel-size", str(ns.tp),
+        "--micro-batch-size", "4", "--global-batch-size", str(4 * dp),
         "--train-iters", str(ns.iters), "--lr", "1e-4", "--seed", "1",
     ]
+
+
+def model_parameters(ns: argparse.Namespace) -> int:
+    """GPT's parameter count: per layer QKV, projection, MLP and two layer norms; the
+    (tied) word and the position embeddings; the final layer norm."""
+    h = ns.hidden
+    return ns.layers * (12 * h * h + 13 * h) + ns.vocab * h + ns.seq * h + 2 * h
+
+
+def deadpool_args(ns: argparse.Namespace) -> list[str]:
+    return ["--deadpool", "--deadpool-ranks-per-node", "1",
+            "--deadpool-snapshot-interval", str(ns.interval)]
+
+
+def dry_run(ns: argparse.Namespace) -> int:
+    """Check both jobs' flags as the training script would, and say what would run."""
+    from deadpool_megatron.config import TrainConfig, parse_configs
+    from deadpool_megatron.ft_config import DeadPoolConfig
+
+    for mode, extra in (("off", []), ("on", deadpool_args(ns))):
+        args = model_args(ns) + extra
+        cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], args, prog="pretrain_gpt.py")
+        cfg.validate(ns.nproc)
+        ft.validate(ns.nproc)
+        print(f"would run {ns.rounds} x snapshots {mode}: {ns.nproc} ranks of "
+              f"pretrain_scripts/pretrain_gpt.py {' '.join(args)}", flush=True)
+    print(f"model parameters: {model_parameters(ns)} ({model_parameters(ns) / 1e9:.2f} B)")
+    return 0
 
 
 def main() -> int:
@@ -49,15 +82,22 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--interval", type=int, default=1, help="--deadpool-snapshot-interval")
+    p.add_argument("--seq", type=int, default=64, help="sequence length")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--out", type=Path, default=None, help="JSON summary path")
+    p.add_argument("--dry-run", action="store_true", help="check and print; run nothing")
     ns = p.parse_args()
+    if ns.dry_run:
+        return dry_run(ns)
+    print(f"model parameters: {model_parameters(ns)} ({model_parameters(ns) / 1e9:.2f} B)",
+          flush=True)
     times: dict[str, list[float]] = {"off": [], "on": []}
     details: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
             for mode in ("off", "on"):
-                extra = ["--deadpool", "--deadpool-ranks-per-node", "1",
-                         "--deadpool-snapshot-interval", str(ns.interval)] if mode == "on" else []
+                extra = deadpool_args(ns) if mode == "on" else []
                 job = run_job(ns.nproc, model_args(ns) + extra, Path(tmp) / f"{mode}{rnd}",
                               timeout_s=900)
                 if not job.ok:
@@ -78,6 +118,7 @@ def main() -> int:
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     mean_off, mean_on = statistics.fmean(times["off"]), statistics.fmean(times["on"])
     summary = {"nproc": ns.nproc, "snapshot_interval": ns.interval,
+               "backend": ns.backend, "model_parameters": model_parameters(ns),
                "iterations_per_mode": len(times["on"]),
                "median_ms_off": off, "median_ms_on": on, "ratio_on_off": on / off,
                "mean_ms_off": mean_off, "mean_ms_on": mean_on,

@@ -4,11 +4,17 @@ deadpool-launch with 2 warm spares, one rank killed mid-run; it must finish with
 fingerprint of the same job run without failures (run first, for comparison).
 
     .venv/bin/python tools/rehearse.py [--kill 'kill rank=5 iter=6 phase=backward']
+
+The job's size and model can be changed (`--nproc`, `--spares`, `--logical-nodes`,
+`--model`): tools/gpu_check.sh runs it on one GPU. `--dry-run` checks the flags and prints
+the two commands without running them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -40,24 +46,51 @@ def run(cmd: list[str]) -> str:
     return "".join(lines)
 
 
+def check_flags(model: list[str], deadpool: list[str], nproc: int) -> None:
+    """The training script's own validation of both jobs' flags."""
+    from deadpool_megatron.config import TrainConfig, parse_configs
+    from deadpool_megatron.ft_config import DeadPoolConfig
+
+    for args in (model, model + deadpool):
+        cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], args, prog="pretrain_gpt.py")
+        cfg.validate(nproc)
+        ft.validate(nproc)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--kill", default="kill rank=5 iter=6 phase=backward")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "rehearsal")
+    p.add_argument("--nproc", type=int, default=8, help="active ranks")
+    p.add_argument("--spares", type=int, default=2)
+    p.add_argument("--logical-nodes", type=int, default=2)
+    p.add_argument("--model", default=shlex.join(MODEL), help="the training flags")
+    p.add_argument("--dry-run", action="store_true", help="check and print; run nothing")
     ns = p.parse_args()
+    model = shlex.split(ns.model)
+    py = sys.executable
+    events = ns.out / "events"
+    clean_cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                 str(ns.nproc), "pretrain_scripts/pretrain_gpt.py", *model]
+    deadpool = ["--deadpool", "--deadpool-events", str(events), "--deadpool-inject", ns.kill]
+    faulty_cmd = [py, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(ns.nproc),
+                  "--spares", str(ns.spares), "--logical-nodes", str(ns.logical_nodes),
+                  "pretrain_scripts/pretrain_gpt.py", *model, *deadpool]
+    if ns.dry_run:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(ns.nproc // ns.logical_nodes))
+        check_flags(model, deadpool, ns.nproc)
+        print(f"would run the failure-free job: {shlex.join(clean_cmd)}")
+        print(f"would run the job with '{ns.kill}': {shlex.join(faulty_cmd)}")
+        print("would compare the two state fingerprints")
+        return 0
     ns.out.mkdir(parents=True, exist_ok=True)
     for old in ns.out.glob("events.rank*"):
         old.unlink()
-    py = sys.executable
     print("== 1/2: the failure-free job (torchrun)", flush=True)
-    clean = run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                 "pretrain_scripts/pretrain_gpt.py", *MODEL])
+    clean = run(clean_cmd)
     print(f"\n== 2/2: the same job under deadpool-launch, with '{ns.kill}'", flush=True)
-    events = ns.out / "events"
-    faulty = run([py, "-m", "deadpool_megatron.launch", "--nproc-per-node", "8", "--spares",
-                  "2", "--logical-nodes", "2", "pretrain_scripts/pretrain_gpt.py", *MODEL,
-                  "--deadpool", "--deadpool-events", str(events), "--deadpool-inject", ns.kill])
+    faulty = run(faulty_cmd)
     want, got = FINGERPRINT.findall(clean)[-1], FINGERPRINT.findall(faulty)[-1]
     print("\n== recovery summary")
     for t in timelines(load_events(events)):

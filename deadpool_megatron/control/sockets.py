@@ -9,14 +9,21 @@ import socket
 
 
 def socket_fds() -> list[int]:
-    fds = []
+    return [fd for fd, _ in socket_fd_inodes()]
+
+
+def socket_fd_inodes() -> list[tuple[int, int]]:
+    """(fd, inode) of each socket of this process: the inode names a socket for its whole
+    life, where an fd number is reused as soon as it is closed."""
+    found = []
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.append(int(name))
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-    return fds
+        if target.startswith("socket:["):
+            found.append((int(name), int(target[8:-1])))
+    return found
 
 
 def sockets_to(port: int) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 from datetime import timedelta
 
@@ -11,17 +10,13 @@ import numpy as np
 import torch
 
 from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.integration.device import ProcessDevice
 
 
-def init_process_groups(cfg: TrainConfig) -> None:
+def init_process_groups(cfg: TrainConfig, device: ProcessDevice | None = None) -> None:
     """Default group from torchrun's environment, then every Megatron-Core parallel group."""
-    if cfg.distributed_backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "--distributed-backend nccl needs CUDA devices; on a CPU machine pass "
-                "--distributed-backend gloo (CPU rehearsal mode)."
-            )
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = device if device is not None else ProcessDevice.choose(cfg.distributed_backend)
+    device.bind()
     timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     torch.distributed.init_process_group(backend=cfg.distributed_backend, timeout=timeout)
     init_megatron_groups(cfg)

@@ -103,3 +103,29 @@ class LaunchConfig:
         for name in ("heartbeat_timeout", "shutdown_timeout", "join_timeout", "flush_timeout"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"--{name.replace('_', '-')} must be positive")
+
+    def check_devices(self, backend: str, devices: int) -> None:
+        """With NCCL each worker of a host, spares included, needs a GPU of its own: active
+        workers take device slots 0..nproc-1, spares nproc, nproc+1, ... Two ranks on one
+        GPU are refused by NCCL, and a spare sharing a GPU would take it over a live rank's
+        memory. `devices` is this host's CUDA device count (0: none seen here; the
+        workers then say so themselves)."""
+        needed = self.nproc_per_node + self.spares
+        if backend != "nccl" or devices == 0 or needed <= devices:
+            return
+        raise LaunchError(
+            f"--nproc-per-node {self.nproc_per_node} plus --spares {self.spares} need "
+            f"{needed} GPUs on this host, which has {devices}: with the nccl backend every "
+            f"worker and every spare needs a GPU of its own. Use for example "
+            f"--nproc-per-node {max(devices - 1, 1)} --spares 1 (a spare on any host may "
+            f"replace any rank).")
+
+
+def script_backend(script_args: list[str]) -> str:
+    """The training script's --distributed-backend (its default: nccl)."""
+    for i, arg in enumerate(script_args):
+        if arg == "--distributed-backend" and i + 1 < len(script_args):
+            return script_args[i + 1]
+        if arg.startswith("--distributed-backend="):
+            return arg.split("=", 1)[1]
+    return "nccl"

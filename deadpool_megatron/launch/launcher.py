@@ -23,13 +23,14 @@ import time
 from datetime import timedelta
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from deadpool_megatron.config import add_arguments, from_namespace
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
 from deadpool_megatron.control.sockets import is_loopback, store_server
-from deadpool_megatron.launch.config import LaunchConfig, LaunchError
+from deadpool_megatron.launch.config import LaunchConfig, LaunchError, script_backend
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
@@ -352,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = from_namespace(LaunchConfig, ns)
     try:
         cfg.validate()
+        cfg.check_devices(script_backend(ns.script_args), torch.cuda.device_count())
         if cfg.spares and "--deadpool" not in ns.script_args:
             raise LaunchError(f"--spares {cfg.spares} needs --deadpool on the training script "
                               f"(spares take failed ranks only with hot-swap); add --deadpool "

@@ -12,14 +12,13 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
-from deadpool_megatron.control.sockets import socket_fds
+from deadpool_megatron.control.sockets import socket_fd_inodes
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
 
@@ -94,11 +93,8 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     if not ctl.rendezvous(generation, world_size, rank, waiter=store.control):
         return False
     laps("rendezvous")
-    if cfg.distributed_backend == "nccl":
-        # A spare keeps the device it was started on (its launcher slot), whatever rank it
-        # takes; an active worker's slot is its local rank.
-        slot = int(os.environ.get("DEADPOOL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(slot % torch.cuda.device_count())
+    # This (main) thread's device was set once at the process's start, from its launcher
+    # slot: a spare keeps its own device whatever rank it takes (integration/device.py).
     job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
     dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,
@@ -112,9 +108,17 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     return True
 
 
-def sever_connections(keep_ports: set[int]) -> int:
-    """Shut down every TCP connection of this process except those to or from `keep_ports`
-    (the control-plane store), whatever its state; returns how many were cut.
+def socket_inodes() -> frozenset[int]:
+    """This process's sockets now: taken as a generation begins forming, what is older than
+    the generation (other libraries' connections, the control plane's) is never cut."""
+    return frozenset(inode for _, inode in socket_fd_inodes())
+
+
+def sever_connections(keep_ports: set[int], older: frozenset[int] = frozenset()) -> int:
+    """Shut down every TCP connection of this process opened since `older` was taken (the
+    generation's own: its gloo pairs, its snapshot group's, NCCL's socket transport),
+    except those to or from `keep_ports` (the control-plane store), whatever its state;
+    returns how many were cut.
 
     Called between generations, before any new group exists: what remains are the broken
     generation's gloo pairs. A collective blocked on one of them (in the stopping training
@@ -126,7 +130,7 @@ def sever_connections(keep_ports: set[int]) -> int:
     import socket
 
     cut = 0
-    for sock, local, peer in _tcp_sockets():
+    for sock, local, peer in _tcp_sockets(skip=older):
         with sock:
             if peer is None or local in keep_ports or peer in keep_ports:
                 continue  # listening or not yet connected; or the control plane's
@@ -148,12 +152,15 @@ def open_connections() -> list[str]:
     return out
 
 
-def _tcp_sockets() -> Iterator[tuple[Any, int, int | None]]:
+def _tcp_sockets(skip: frozenset[int] = frozenset()) -> Iterator[tuple[Any, int, int | None]]:
     """(a duplicate of the socket, its local port, its peer's port or None) for each TCP
-    socket of this process; the caller closes the duplicate."""
+    socket of this process but those whose inode is in `skip` (not even duplicated); the
+    caller closes the duplicate."""
     import socket
 
-    for fd in socket_fds():
+    for fd, inode in socket_fd_inodes():
+        if inode in skip:
+            continue
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:

@@ -33,12 +33,14 @@ from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState
+from deadpool_megatron.integration.device import CPU, ProcessDevice
 from deadpool_megatron.integration.model import forget_collective_caches
 from deadpool_megatron.integration.plain_gather import BadPeerData, all_gather_plain
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.memory import PeakRss
+from deadpool_megatron.reconstruct.abort import GenerationCut
 from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
-                                                  open_connections, sever_connections)
+                                                  open_connections, socket_inodes)
 from deadpool_megatron.reconstruct.rebind import (GroupKey, group_mapping, group_registry,
                                                   MegatronGlobals, rebind_groups,
                                                   stale_references)
@@ -103,6 +105,13 @@ class Member:
     start_iteration: int | None = None  # where this job's training began (after --load)
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
     gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
+    sockets_before: frozenset[int] = frozenset()  # older than the generation: never cut
+    device: ProcessDevice = CPU  # set in each thread here that may touch CUDA
+
+    def cut(self) -> GenerationCut:
+        """How this generation is cut loose (its NCCL communicators, its connections)."""
+        return GenerationCut({self.ctl.port}, self.sockets_before,
+                             nccl=self.cfg.distributed_backend == "nccl")
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -192,11 +201,12 @@ def leave(member: Member, training: StoppableThread | None) -> int:
     member.retired_groups += list(member.registry.values())
     laps("declared")
     member.stamp("recovery")
-    stopped, severed = _stop_training(member, training, lost_replica)
+    cut = member.cut()
+    stopped, severed = _stop_training(member, training, lost_replica, cut)
     laps("stopped")
     member.stamp("recovery")
     pipe = member.engine.leave()
-    severed += sever_connections({ctl.port})
+    severed += cut()
     laps("severed")
     worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
     if not stopped or not worker_stopped:
@@ -229,18 +239,23 @@ class _Laps:
 
 
 def _stop_training(member: Member, training: StoppableThread | None,
-                   lost_replica: bool) -> tuple[bool, int]:
+                   lost_replica: bool, cut: GenerationCut) -> tuple[bool, int]:
     """A rank of a replica that lost a rank stops at once (its micro-batches are recomputed
     anyway) and cuts its connections, which frees whoever waits on it. A rank of an intact
     replica lets its thread finish the iteration's micro-batches, which need no lost rank,
     and stop before the gradient reduction: its gradients are then kept, not recomputed.
-    It cuts once its thread has stopped, or is waiting at the reduction barrier."""
+    It cuts once its thread has stopped, or is waiting at the reduction barrier. With NCCL
+    the cut aborts the communicators, and comes before any wait for the thread (abort.py)."""
     if training is None or not training.alive():
         return True, 0
     severed = 0
     if lost_replica:
-        training.stop_now()
-        severed = sever_connections({member.ctl.port})
+        if cut.nccl:
+            severed = cut()  # a thread blocked on an NCCL kernel sees no flag until then
+            training.stop_now()
+        else:
+            training.stop_now()
+            severed = cut()
     else:
         training.stop_before_reduction()
         grace = time.monotonic() + max(5.0, 3 * member.ledger.longest_iteration_s)
@@ -250,18 +265,19 @@ def _stop_training(member: Member, training: StoppableThread | None,
                 break  # at the barrier: waiting on replicas that will never come
             training.join(0.002)
         if training.alive():
-            severed = sever_connections({member.ctl.port})
-    return _join_cutting(member, training, severed)
+            severed = cut()
+    return _join_cutting(training, severed, cut)
 
 
-def _join_cutting(member: Member, training: StoppableThread, severed: int) -> tuple[bool, int]:
+def _join_cutting(training: StoppableThread, severed: int,
+                  cut: GenerationCut) -> tuple[bool, int]:
     """Wait for the stopping thread, cutting again every RECUT_S: a connection that was
     still being set up at the first cut (not yet connected, so not cut) can hold it."""
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while training.alive() and time.monotonic() < deadline:
         if training.join(RECUT_S):
             break
-        severed += sever_connections({member.ctl.port})
+        severed += cut()
     return not training.alive(), severed
 
 
@@ -272,6 +288,7 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     this generation forms cuts its connections (`interrupt`), so nothing waits on a peer
     that died meanwhile."""
     laps = laps or _Laps()
+    member.sockets_before = socket_inodes()  # what is older is not this generation's to cut
     member.generation = generation  # groups made from here on are this generation's
     member.ctl.watch(generation, lambda newer: interrupt(member))
     if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
@@ -290,7 +307,9 @@ def interrupt(member: Member) -> None:
     fail whatever the main thread waits on (a peer's address in the store, a collective)."""
     if member.gen_store is not None:
         member.gen_store.cut()
-    sever_connections({member.ctl.port})
+    # Sockets only: a forming generation's NCCL communicators are not yet used, and the
+    # main thread is creating groups meanwhile.
+    GenerationCut({member.ctl.port}, member.sockets_before, nccl=False)()
 
 
 def rebind(member: Member) -> int:
@@ -450,23 +469,29 @@ def _release_in_background(member: Member) -> None:
     refs = [weakref.ref(pg) for pg in retired]
 
     def release() -> None:
-        retired.clear()  # each destructor runs here, as its last reference goes
-        t0 = time.monotonic()
-        alive = [name for name, ref in zip(names, refs) if ref() is not None]
-        while alive and time.monotonic() - t0 < RELEASE_WAIT_S:
-            # Held by a young reference cycle (the broken iteration's autograd graph):
-            # collect it here, not in whatever thread the collector would pick.
-            gc.collect(1)
-            alive = [name for name, ref in zip(names, refs) if ref() is not None]
-            if alive:
-                time.sleep(0.05)
-        member.events.emit("groups_released", released=len(refs) - len(alive), alive=alive,
-                           after_ms=round(1e3 * (time.monotonic() - t0), 1))
-        if alive:
-            log.warning("rank %d: %d groups of an old generation are still held (%s): their "
-                        "threads keep polling", member.rank, len(alive), ", ".join(alive[:5]))
+        with member.device.thread():  # NCCL communicators are destroyed on their device
+            _release(retired, names, refs, member)
 
     threading.Thread(target=release, name="deadpool-release", daemon=True).start()
+
+
+def _release(retired: list[Any], names: list[str], refs: list[Any], member: Member) -> None:
+    """The release thread's body: drop the groups, report any still held."""
+    retired.clear()  # each destructor runs here, as its last reference goes
+    t0 = time.monotonic()
+    alive = [name for name, ref in zip(names, refs) if ref() is not None]
+    while alive and time.monotonic() - t0 < RELEASE_WAIT_S:
+        # Held by a young reference cycle (the broken iteration's autograd graph):
+        # collect it here, not in whatever thread the collector would pick.
+        gc.collect(1)
+        alive = [name for name, ref in zip(names, refs) if ref() is not None]
+        if alive:
+            time.sleep(0.05)
+    member.events.emit("groups_released", released=len(refs) - len(alive), alive=alive,
+                       after_ms=round(1e3 * (time.monotonic() - t0), 1))
+    if alive:
+        log.warning("rank %d: %d groups of an old generation are still held (%s): their "
+                    "threads keep polling", member.rank, len(alive), ", ".join(alive[:5]))
 
 
 def _durable_iteration(cfg: TrainConfig) -> int:
@@ -537,7 +562,8 @@ def flush_alone(member: Member, training: StoppableThread | None) -> None:
 
     if training is not None and training.alive():
         training.stop_now()
-        _join_cutting(member, training, sever_connections(set()))
+        cut = member.cut()
+        _join_cutting(training, cut(), cut)
     member.engine.stop_worker(member.engine.leave(), STOP_TIMEOUT_S)
     written = flush_held(member, set())
     committed = flush.commit(member.cfg.save, member.world, prune=False) \

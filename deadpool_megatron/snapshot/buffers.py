@@ -19,6 +19,18 @@ def checksum(flat: torch.Tensor, objects: bytes) -> int:
     return zlib.crc32(objects, crc)
 
 
+def host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
+    """Host bytes for a snapshot slot. On a GPU machine they are pinned: a side-stream copy
+    into pageable memory is staged and synchronous, so the snapshot would no longer overlap
+    the next iteration. Every slot, first or renewed, comes from here."""
+    # Pinned as allocated: no pageable copy of a many-GB shard on the way.
+    flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if pin and not flat.is_pinned():
+        raise RuntimeError(f"could not pin {nbytes} bytes of host memory for a snapshot "
+                           f"slot (raise the locked-memory limit, ulimit -l)")
+    return flat
+
+
 @dataclass
 class Slot:
     flat: torch.Tensor  # uint8, host memory (pinned on GPU machines)
@@ -35,15 +47,26 @@ class DoubleBuffer:
     """Two slots; `committed` indexes the slot of the latest committed snapshot."""
 
     slots: list[Slot]
+    pin: bool = False  # every slot, renewed ones too, in pinned memory
     committed: int | None = None
     _writing: int | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, nbytes: int, pin: bool = False) -> "DoubleBuffer":
-        def new() -> torch.Tensor:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return cls(slots=[Slot(host_tensor(nbytes, pin)), Slot(host_tensor(nbytes, pin))],
+                   pin=pin)
 
-        return cls(slots=[Slot(new()), Slot(new())])
+    def renewed(self, nbytes: int) -> "DoubleBuffer":
+        """Empty slots of another size (the shard's layout changed), pinned as these are."""
+        return DoubleBuffer.allocate(nbytes, self.pin)
+
+    def loose_slot(self) -> Slot:
+        """A slot outside the pair (a copy fetched for a rehearsal), pinned as these are."""
+        return Slot(host_tensor(self.slots[0].flat.numel(), self.pin))
+
+    @property
+    def pinned(self) -> bool:
+        return all(s.flat.is_pinned() for s in self.slots)
 
     @property
     def nbytes(self) -> int:

@@ -32,6 +32,7 @@ from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.metrics.errors import without_frames
@@ -91,14 +92,18 @@ class SnapshotStats:
 
 class SnapshotEngine(TrainingHooks):
     def __init__(self, cfg: TrainConfig, ft: DeadPoolConfig, injector: FaultInjector,
-                 events: EventLog) -> None:
+                 events: EventLog, device: ProcessDevice | None = None) -> None:
         self.cfg, self.ft = cfg, ft
+        # The process's device (its launcher slot's), which the worker thread sets for
+        # itself: CUDA's current device is per thread.
+        self.device = device if device is not None else ProcessDevice.choose(
+            cfg.distributed_backend)
         self.injector, self.events = injector, events
         self.stats = SnapshotStats()
         self.committed_iteration: int | None = None
         injector.follow_commits(self._committed)  # wait=commit faults read it
         self.pipe: _Pipeline | None = None
-        self._cuda = torch.cuda.is_available()
+        self._cuda = self.device.index is not None
         self._side_stream: Any = None
         self.own: DoubleBuffer | None = None
         self.ward_buffer: DoubleBuffer | None = None
@@ -168,12 +173,16 @@ class SnapshotEngine(TrainingHooks):
         self.objects = objs
         self.manifest = build_manifest(objs.model, objs.optimizer,
                                        self.cfg.use_distributed_optimizer)
-        if self.own is None or self.own.slots[0].flat.numel() != self.manifest.nbytes:
-            self.own = DoubleBuffer.allocate(self.manifest.nbytes, pin=self._cuda)
+        self.own = self._sized(self.own, self.manifest.nbytes)
 
     def ensure_ward_buffer(self, nbytes: int) -> None:
-        if self.ward_buffer is None or self.ward_buffer.slots[0].flat.numel() != nbytes:
-            self.ward_buffer = DoubleBuffer.allocate(nbytes, pin=self._cuda)
+        self.ward_buffer = self._sized(self.ward_buffer, nbytes)
+
+    def _sized(self, buffer: DoubleBuffer | None, nbytes: int) -> DoubleBuffer:
+        """`buffer` if it has the size, else new slots, pinned on a GPU machine."""
+        if buffer is None:
+            return DoubleBuffer.allocate(nbytes, pin=self._cuda)
+        return buffer if buffer.slots[0].flat.numel() == nbytes else buffer.renewed(nbytes)
 
     def on_train_start(self, state: LoopState) -> None:
         if self.pipe is None:
@@ -189,7 +198,7 @@ class SnapshotEngine(TrainingHooks):
         sizes = all_gather_plain(self.manifest.nbytes, group=self.group)
         self.ensure_ward_buffer(int(sizes[self.ward]))
         if self._cuda and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
+            self._side_stream = torch.cuda.Stream(device=self.device.index)
         self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),
                                             name="deadpool-snapshot", daemon=True)
         self.pipe.thread.start()
@@ -219,6 +228,12 @@ class SnapshotEngine(TrainingHooks):
         if pipe.thread is None:
             self._start()
         self._wait(pipe, pipe.idle, "the previous snapshot to commit")
+        moved = self.manifest.moved_buffers()
+        if moved:
+            raise SnapshotError(
+                f"rank {self.rank}: module buffers {', '.join(moved[:5])} were replaced, not "
+                f"updated in place, since the snapshot layout was built: a snapshot would "
+                f"hold stale copies. Update them in place (copy_) or run without --deadpool")
         objects = capture_objects(self.manifest, state.objects, state.iteration,
                                   state.consumed_samples)
         self.captured = {state.iteration: objects,
@@ -289,13 +304,17 @@ class SnapshotEngine(TrainingHooks):
         ward_copy = self.ward_buffer.committed_slot()
         if ward_copy is None:
             raise SnapshotError(f"rank {self.rank}: no committed snapshot yet")
-        incoming = Slot(torch.empty(self.manifest.nbytes, dtype=torch.uint8))
+        incoming = self.own.loose_slot()
         exchange(self.group, ward_copy, self.ward, incoming, self.buddy,
                  chunk_bytes=self.chunk_bytes)
         return incoming
 
     # -- worker thread ---------------------------------------------------------------------
     def _work(self, pipe: _Pipeline) -> None:
+        with self.device.thread():
+            self._serve(pipe)
+
+    def _serve(self, pipe: _Pipeline) -> None:
         while True:
             job = pipe.queue.get()
             if job is None:

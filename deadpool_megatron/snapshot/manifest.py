@@ -1,8 +1,9 @@
 """What a rank's shard of the training state is, and how it maps onto one flat host buffer.
 
-The tensors: model parameters, then every optimizer state tensor (Adam moments, step) and
-every optimizer main parameter that is not the model parameter itself or a view into it
-(fp32 distributed-optimizer shards are views; copying them twice would waste bytes).
+The tensors: model parameters, the model's registered buffers (updated in place, as FP8
+scaling history and MoE expert bias are), then every optimizer state tensor (Adam moments,
+step) and every optimizer main parameter that is not the model parameter itself or a view
+into it (fp32 distributed-optimizer shards are views; copying them twice would waste bytes).
 The small objects (iteration, data position, scheduler, RNG streams) are serialized apart,
 as tensors and plain data only: a copy received from a buddy is never unpickled as
 arbitrary objects.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +38,19 @@ class Manifest:
 
     tensors: list[torch.Tensor]
     entries: list[Entry]
+    # (name, module, attribute, tensor held) of each buffer: a module that replaces a buffer
+    # instead of updating it in place leaves the manifest holding the old tensor.
+    buffers: list[tuple[str, Any, str, torch.Tensor]] = field(default_factory=list)
+
+    def moved_buffers(self) -> list[str]:
+        """Buffers whose module now holds another tensor (or storage) than the manifest."""
+        moved = []
+        for name, module, attr, held in self.buffers:
+            now = getattr(module, attr, None)
+            if now is None or now.data_ptr() != held.data_ptr() or now.dtype != held.dtype \
+                    or now.shape != held.shape:
+                moved.append(name)
+        return moved
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +91,17 @@ def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool
     for name, p in model_params:
         # Parameters are the same on every data-parallel replica (all-reduced or all-gathered).
         add(name, p.detach(), replicated=True)
+    buffers: list[tuple[str, Any, str, torch.Tensor]] = []
+    for ci, chunk in enumerate(model):
+        _settle_buffers(chunk)
+        for name, b in chunk.named_buffers():
+            # Training state kept outside parameters (FP8 scaling history, MoE router expert
+            # bias...): not claimed equal on every replica. A buffer that is a view of a
+            # parameter is already copied with it.
+            if not _aliases_model(b, spans):
+                add(f"model{ci}.buffer.{name}", b.detach(), replicated=False)
+                owner, _, attr = name.rpartition(".")
+                buffers.append((entries[-1].name, chunk.get_submodule(owner), attr, b))
     for name, value in iter_optimizer_tensors(optimizer):
         if not isinstance(value, torch.Tensor):
             continue
@@ -84,7 +109,17 @@ def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool
             continue
         # Without the distributed optimizer every replica holds the whole optimizer state.
         add(name, value.detach(), replicated=not distributed_optimizer)
-    return Manifest(tensors=tensors, entries=entries)
+    return Manifest(tensors=tensors, entries=entries, buffers=buffers)
+
+
+def _settle_buffers(chunk: Any) -> None:
+    """Give buffers the form they train in before the manifest is built. Megatron's MoE
+    router moves its expert bias to fp32 (new storage) at its first forward, and does the
+    same itself before loading or saving a checkpoint."""
+    for module in chunk.modules():
+        keep_fp32 = getattr(module, "_maintain_float32_expert_bias", None)
+        if callable(keep_fp32):
+            keep_fp32()
 
 
 def pack_objects(objects: dict[str, Any]) -> bytes:

@@ -26,6 +26,7 @@ from deadpool_megatron.control.policy import RecoveryImpossible
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration.device import CPU, ProcessDevice
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.reconstruct.recovery import CannotContinue, JobFlushed, Member
@@ -172,7 +173,7 @@ def _train(member: Member, dataset: object, finish: Callable[[LoopState], None],
 def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
                 cpu_rehearsal: bool, finish: Callable[[LoopState], None],
                 thread_context: Callable[[], ContextManager],
-                progress: ProgressBoard | None = None) -> int:
+                progress: ProgressBoard | None = None, device: ProcessDevice = CPU) -> int:
     from deadpool_megatron.faults.spec import parse_fault, target_ranks
     from deadpool_megatron.integration.distributed import destroy_process_groups
     from deadpool_megatron.reconstruct.recovery import build_fresh, enter, rejoin
@@ -206,9 +207,9 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     injector = FaultInjector(mine, rank, events)
     member = Member(cfg=cfg, ft=ft, ctl=ctl, rank=rank, world=world,
                     cpu_rehearsal=cpu_rehearsal, events=events,
-                    engine=SnapshotEngine(cfg, ft, injector, events),
+                    engine=SnapshotEngine(cfg, ft, injector, events, device),
                     ledger=MicrobatchLedger(), injector=injector, dataset=dataset,
-                    generation=generation, progress=progress)
+                    generation=generation, progress=progress, device=device)
     if ctl.is_spare:
         member.megatron_globals = megatron_globals
     work: dict[int, MicrobatchWork] = {}

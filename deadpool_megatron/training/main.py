@@ -8,12 +8,16 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, ContextManager, Sequence
 
 import torch
 
 from deadpool_megatron.config import ConfigError, TrainConfig, parse_configs
 from deadpool_megatron.ft_config import DeadPoolConfig
+
+if TYPE_CHECKING:
+    from deadpool_megatron.integration.device import ProcessDevice
+    from deadpool_megatron.rehearsal import CpuRehearsal
 
 
 def _setup_logging() -> None:
@@ -40,11 +44,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
+    from deadpool_megatron.integration.device import DeviceLayoutError, ProcessDevice
+
+    try:  # once per process; every thread that touches CUDA sets it (device.py)
+        device = ProcessDevice.choose(cfg.distributed_backend)
+    except DeviceLayoutError as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 2
+    device.bind()
     torch.set_num_threads(cfg.num_threads)
     from deadpool_megatron.control.client import ControlClient
 
     # Under deadpool-launch: join the control plane before the long imports.
     ctl = ControlClient.from_env() if ft.deadpool else None
+    if ctl is not None and cfg.distributed_backend == "nccl":
+        from deadpool_megatron.reconstruct.abort import configure_nccl_error_handling
+
+        overridden = configure_nccl_error_handling(os.environ)  # before any group exists
+        if overridden:
+            logging.getLogger("deadpool_megatron.train").warning("%s", overridden)
 
     from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import, rehearsal_needed
 
@@ -56,13 +74,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     rehearsal = CpuRehearsal() if cpu_rehearsal else None
     with rehearsal or contextlib.nullcontext():
         if ctl is not None:
-            thread_context = rehearsal.thread_mode if rehearsal else contextlib.nullcontext
-            return _run_elastic(cfg, ft, ctl, rehearsal is not None, thread_context)
-        return _run(cfg, ft, world, cpu_rehearsal=rehearsal is not None)
+            return _run_elastic(cfg, ft, ctl, rehearsal is not None,
+                                thread_context(device, rehearsal), device)
+        return _run(cfg, ft, world, rehearsal is not None, device)
+
+
+def thread_context(device: "ProcessDevice",
+                   rehearsal: "CpuRehearsal | None") -> Callable[[], ContextManager]:
+    """What a training thread enters first: the process's device (CUDA's current device is
+    per thread) and, in CPU rehearsal, its own torch function mode (also per thread)."""
+
+    def enter() -> ContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(device.thread())
+        if rehearsal is not None:
+            stack.enter_context(rehearsal.thread_mode())
+        return stack
+
+    return enter
 
 
 def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
-                 thread_context) -> int:
+                 thread_context: Callable[[], ContextManager], device: "ProcessDevice") -> int:
     from deadpool_megatron.control.progress import ProgressBoard
     from deadpool_megatron.integration.data import build_train_dataset
     from deadpool_megatron.training.elastic import run_elastic
@@ -76,7 +109,7 @@ def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
         progress.start_monitor()
     dataset = build_train_dataset(cfg, cfg.train_iters * cfg.global_batch_size)
     rc = run_elastic(cfg, ft, ctl, dataset, cpu_rehearsal, finish=_finish,
-                     thread_context=thread_context, progress=progress)
+                     thread_context=thread_context, progress=progress, device=device)
     ctl.close()
     # Threads of broken generations may still sit in gloo; their groups' destructors would
     # block interpreter shutdown, so leave now that everything is flushed.
@@ -95,7 +128,8 @@ def _finish(state) -> None:
         print(f"state fingerprint: {fingerprint}\nparameter norm: {norm!r}", flush=True)
 
 
-def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) -> int:
+def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool,
+         device: "ProcessDevice") -> int:
     from deadpool_megatron.integration.checkpoint import Checkpointer
     from deadpool_megatron.integration.data import build_train_dataset
     from deadpool_megatron.integration.distributed import (
@@ -109,7 +143,7 @@ def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) 
 
     log = logging.getLogger("deadpool_megatron.train")
     dataset = build_train_dataset(cfg, cfg.train_iters * cfg.global_batch_size)
-    init_process_groups(cfg)
+    init_process_groups(cfg, device)
     try:
         set_seeds(cfg.seed)
         objs = build_training_objects(cfg, cpu_rehearsal)
@@ -127,7 +161,7 @@ def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) 
                 state.iteration,
             )
         initial = _param_copies(objs) if cfg.log_param_changes else None
-        hooks = deadpool_hooks(cfg, ft, world, cpu_rehearsal) if ft.deadpool else []
+        hooks = deadpool_hooks(cfg, ft, world, cpu_rehearsal, device) if ft.deadpool else []
         train(cfg, dataset, state, hooks=hooks, checkpointer=checkpointer)
         if initial is not None:
             _log_param_changes(state.objects, initial)
@@ -138,7 +172,7 @@ def _run(cfg: TrainConfig, ft: DeadPoolConfig, world: int, cpu_rehearsal: bool) 
 
 
 def deadpool_hooks(cfg: TrainConfig, ft: DeadPoolConfig, world: int,
-                   cpu_rehearsal: bool) -> list:
+                   cpu_rehearsal: bool, device: "ProcessDevice") -> list:
     """The fault-tolerance layer, as the hooks it adds to the training loop."""
     from deadpool_megatron.faults.injector import FaultInjector
     from deadpool_megatron.faults.spec import parse_fault, target_ranks
@@ -155,7 +189,7 @@ def deadpool_hooks(cfg: TrainConfig, ft: DeadPoolConfig, world: int,
     mine = [f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
     events = EventLog(ft.deadpool_events, rank)
     injector = FaultInjector(mine, rank, events)
-    engine = SnapshotEngine(cfg, ft, injector, events)
+    engine = SnapshotEngine(cfg, ft, injector, events, device)
     hooks: list = [engine, injector.hooks()]
     if ft.deadpool_verify_restore_at is not None:
         hooks.append(RestoreRehearsal(

@@ -1,0 +1,132 @@
+"""Leaving a broken generation: with NCCL the communicators are aborted before anything
+waits for the training thread (a thread blocked on an NCCL kernel returns only then); only
+the generation's own connections are cut; torch's NCCL watchdog does not decide."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import types
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from deadpool_megatron.config import TrainConfig
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.rehearsal import prepare_megatron_import
+
+
+class _BlockedOnNccl:
+    """A training thread blocked on an NCCL kernel: no stop flag reaches it; it ends once
+    the communicators are aborted."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.ended = log, False
+
+    def alive(self) -> bool:
+        return not self.ended
+
+    def stop_now(self) -> None:
+        self.log.append("stop_now")
+
+    def stop_before_reduction(self) -> None:
+        self.log.append("stop_before_reduction")
+
+    def join(self, timeout_s: float) -> bool:
+        self.log.append("join")
+        self.ended = self.ended or "abort" in self.log
+        if not self.ended:
+            time.sleep(min(timeout_s, 0.01))  # still blocked
+        return self.ended
+
+    def where(self) -> str:
+        return "in an NCCL kernel"
+
+
+def _sockets_now() -> frozenset[int]:
+    """Inodes of this process's sockets, read here (the test must not lean on the code)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(int(target[8:-1]))
+    return frozenset(found)
+
+
+def _member(tp: int, log: list[str]):
+    from deadpool_megatron.reconstruct.recovery import Member
+
+    ctl = types.SimpleNamespace(port=1, worker="w0", wait_generation_after=lambda g: g + 1,
+                                members=lambda g: {0: "w0", 1: "s0.0"},
+                                replaced=lambda g: [1])
+    engine = types.SimpleNamespace(leave=lambda: None, stop_worker=lambda pipe, t: True)
+    # Rank 0 waits at the data-parallel barrier before the reduction (an intact replica),
+    # or, with TP 2, shares its replica with the lost rank 1.
+    ledger = types.SimpleNamespace(entry=types.SimpleNamespace(accumulated=True),
+                                   longest_iteration_s=0.1)
+    member = Member(cfg=TrainConfig(distributed_backend="nccl", tensor_model_parallel_size=tp),
+                    ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=2,
+                    cpu_rehearsal=False, events=types.SimpleNamespace(emit=lambda *a, **k: None),
+                    engine=engine, ledger=ledger, injector=None, dataset=None, generation=4)
+    member.sockets_before = _sockets_now()  # nothing of this test process is cut
+    return member
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["intact-replica", "lost-replica"])
+def test_nccl_communicators_are_aborted_before_waiting_for_the_thread(monkeypatch, tp) -> None:
+    from deadpool_megatron.reconstruct.recovery import leave
+
+    prepare_megatron_import()
+    log: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: log.append("abort"))
+    training = _BlockedOnNccl(log)
+    assert leave(_member(tp, log), training) == 5
+    assert log.count("abort") == 1, log
+    assert "join" in log and log.index("abort") < log.index("join"), log
+    assert not training.alive()
+
+
+def test_only_the_generations_own_connections_are_cut_and_gloo_aborts_nothing(
+        monkeypatch) -> None:
+    from deadpool_megatron.reconstruct.abort import GenerationCut
+    from deadpool_megatron.reconstruct.groups import socket_inodes
+
+    monkeypatch.setattr(c10d, "_abort_process_group",
+                        lambda group=None: pytest.fail("gloo aborts no communicator"))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        other = socket.create_connection(("127.0.0.1", port))  # another library's, older
+        other_peer, _ = server.accept()
+        older = socket_inodes()
+        mine = socket.create_connection(("127.0.0.1", port))  # the generation's own
+        mine_peer, _ = server.accept()
+        try:
+            cut = GenerationCut(keep_ports=set(), older=older, nccl=False)
+            assert cut() >= 1
+            assert mine.recv(1) == b""  # shut down: a blocked receive returns at once
+            other.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                other.recv(1)  # still open, nothing to read
+            other_peer.sendall(b"x")
+            other.setblocking(True)
+            assert other.recv(1) == b"x"
+        finally:
+            for s in (other, other_peer, mine, mine_peer):
+                s.close()
+
+
+def test_nccl_async_error_handling_is_left_to_the_recovery() -> None:
+    from deadpool_megatron.reconstruct.abort import configure_nccl_error_handling
+
+    env: dict[str, str] = {}
+    assert configure_nccl_error_handling(env) is None
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # tear down on error: overridden, said so
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 overridden" in configure_nccl_error_handling(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
