@@ -64,6 +64,28 @@ def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -
                 entry["step"] = torch.tensor(step, dtype=entry["step"].dtype)
 
 
+def results_in_process() -> bool:
+    """Keep a synchronous save's write results in this process; True if it applied.
+
+    megatron-core's checkpoint writer hands its write results back through a
+    multiprocessing Manager queue (`filesystem_async.get_write_results_queue`), made at
+    each process's first save with the "spawn" method: a new interpreter, which imports
+    torch and Megatron to unpickle the results. That was the whole cost of the first save:
+    3 s for one process here, 26 to 31 s for 8 ranks on 2 cores (later saves: 0.1 s). A
+    synchronous save writes with threads in this very process
+    (`write_preloaded_data_multithread`), so a plain in-process queue carries the same
+    results. Applied only where the queue is still unmade; a release without that global
+    is left alone (tests/test_checkpoint_speed.py notices)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return False
+    filesystem_async._results_queue = queue.Queue()
+    return True
+
+
 LONG_OPERATION_S = 1800.0  # a save or load is not taken for a hang for this long
 
 
@@ -106,6 +128,7 @@ class Checkpointer:
 
         root = self.cfg.save
         assert root is not None
+        results_in_process()  # our saves are synchronous
         path = iteration_dir(root, state.iteration)
         if torch.distributed.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
