@@ -241,8 +241,11 @@ class Launcher:
                 break
             self._tick()
         missing = [w for w in expected if not coordinator.flushed_or_gone(w)]
+        before = flush.latest(self.save_dir)
         iteration = flush.commit(self.save_dir, self.cfg.world_size)
         seconds = time.monotonic() - t0
+        if iteration == before:
+            iteration = None  # nothing newer than an earlier flush is complete
         events.emit("flush_committed", iteration=iteration, seconds=round(seconds, 3),
                     missing=missing)
         if iteration is None:
