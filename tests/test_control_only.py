@@ -90,7 +90,7 @@ def test_losing_the_control_plane_flushes_and_a_relaunch_resumes(
     save = tmp_path / "ckpt"
     args = [*GPT_3D_ARGS, "--train-iters", "8", "--deadpool", "--save", str(save),
             "--save-interval", "100"]
-    common = ["--nproc-per-node", "8", "--logical-nodes", "2", "--heartbeat-timeout", "3"]
+    common = ["--nproc-per-node", "8", "--logical-nodes", "2", "--heartbeat-timeout", "30"]
     first = run_hosts([[*common, "--control-only"], common], args, tmp_path / "first",
                       timeout_s=400, env={"DEADPOOL_CONTROL_TIMEOUT_S": "90"},
                       kill_host=(0, "iteration        4/", 0.0))
