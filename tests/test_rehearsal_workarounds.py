@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only work
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
-    "shared-gloo-groups",
+    "shared-gloo-groups", "typing-override",
 }
 
 
@@ -59,6 +59,23 @@ def test_paged_stash_import_needed_and_works() -> None:
     )
     assert stubbed.returncode == 0, stubbed.stderr
     assert "needs triton" in stubbed.stdout
+
+
+def test_typing_override_needed_and_works() -> None:
+    probe = ("import sys\n"
+             "from deadpool_megatron.rehearsal import prepare_megatron_import\n"
+             "from deadpool_megatron.rehearsal.imports import provide_typing_override\n"
+             "prepare_megatron_import(True)\n"
+             "{}\n"
+             "import megatron.training.models.gpt\n")
+    bare = _python(probe.format("pass"))
+    if sys.version_info >= (3, 12):
+        assert bare.returncode == 0, bare.stderr
+        pytest.skip("typing.override exists on this Python: 'typing-override' is a no-op")
+    assert bare.returncode != 0 and "cannot import name 'override'" in bare.stderr, (
+        "megatron/training imports without typing.override: retire 'typing-override'")
+    fixed = _python(probe.format("assert provide_typing_override()"))
+    assert fixed.returncode == 0, fixed.stderr
 
 
 def test_jit_fuser_off_needed_and_works() -> None:

@@ -80,4 +80,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "loads. (moe/router.py still imports dynamo through a direct @torch.compile.)",
         ("jit.py:21", "fusions/fused_bias_geglu.py:16", "transformer/moe/router.py:918"),
     ),
+    Workaround(
+        "typing-override",
+        "megatron/training (Megatron-LM's own loop, patches/) imports typing.override, new in "
+        "Python 3.12; on 3.11 typing_extensions.override, the same decorator, is put there.",
+        ("../training/models/gpt.py:5", "../training/models/hybrid.py:5"),
+    ),
 )
