@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import megatron
+import megatron.training
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.patching.releases import SUPPORTED
 from deadpool_megatron.patching.tree import load_patch
@@ -138,3 +140,44 @@ def test_the_command_line_entry_points(tree: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "not a Megatron-LM tree" in out.stderr
     assert "Megatron-LM" not in out.stdout
+
+
+_PARSE = """
+import json, sys
+sys.path.insert(0, sys.argv.pop(1))
+from deadpool_megatron.rehearsal import prepare_megatron_import
+from deadpool_megatron.rehearsal.imports import provide_typing_override
+prepare_megatron_import(True)
+provide_typing_override()
+import megatron.training
+from megatron.training.arguments import parse_and_validate_args
+args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+print(json.dumps({"megatron": megatron.training.__file__,
+                  "flags": {k: v for k, v in vars(args).items() if k.startswith("deadpool")}}))
+"""
+
+_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+          "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--mock-data",
+          "--vocab-size", "512", "--distributed-backend", "gloo"]
+
+
+def _parse(tree: Path, flags: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    return subprocess.run([sys.executable, "-c", _PARSE, str(tree), *_MODEL, *flags],
+                          capture_output=True, text=True, timeout=180, cwd=tree, env=env)
+
+
+def test_the_patched_trees_own_parser_takes_the_deadpool_flags(tree: Path) -> None:
+    flags = ["--deadpool", "--deadpool-snapshot-interval", "2",
+             "--deadpool-inject", "kill rank=0 iter=2"]
+    bare = _parse(tree, flags)
+    assert bare.returncode != 0 and "unrecognized arguments: --deadpool" in bare.stderr
+    assert run([str(tree)])[0] == 0
+    out = _parse(tree, flags)
+    assert out.returncode == 0, out.stderr[-2000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed["megatron"].startswith(str(tree)), "the tree's megatron, not the wheel's"
+    assert parsed["flags"]["deadpool"] is True
+    assert parsed["flags"]["deadpool_snapshot_interval"] == 2
+    assert parsed["flags"]["deadpool_inject"] == ["kill rank=0 iter=2"]
