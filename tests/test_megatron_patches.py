@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import megatron.training
+import megatron
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.patching.releases import SUPPORTED
 from deadpool_megatron.patching.tree import load_patch
