@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only work
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
-    "shared-gloo-groups", "typing-override",
+    "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
+    "megatron-lm-device-properties", "megatron-lm-ddp-stream",
 }
 
 
@@ -76,6 +77,60 @@ def test_typing_override_needed_and_works() -> None:
         "megatron/training imports without typing.override: retire 'typing-override'")
     fixed = _python(probe.format("assert provide_typing_override()"))
     assert fixed.returncode == 0, fixed.stderr
+
+
+_MEGATRON_LM = ("import torch\n"
+                "from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import\n"
+                "from deadpool_megatron.rehearsal.imports import provide_typing_override\n"
+                "from deadpool_megatron.rehearsal.megatron_lm import MegatronLmOnCpu\n"
+                "prepare_megatron_import(True)\n"
+                "provide_typing_override()\n"
+                "import megatron.training.training as training\n")
+
+
+def test_megatron_lm_one_device_needed_and_works() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "def attempt():\n"
+        "    try:\n        training.initialize_megatron()\n"
+        "    except AssertionError as e:\n        return str(e)\n"
+        "print('bare:', attempt())\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    print('shimmed:', attempt())\n"
+        "    print('outside initialize:', torch.cuda.is_available())\n"
+        "print('after:', training.initialize_megatron.__module__)\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "bare: Megatron requires CUDA." in probe.stdout, (
+        "initialize_megatron no longer asserts CUDA: retire 'megatron-lm-one-device'")
+    assert "shimmed: args is not initialized" in probe.stdout, probe.stdout
+    assert "outside initialize: False" in probe.stdout
+    assert "after: megatron.training.initialize" in probe.stdout, "the wrapper is undone"
+
+
+def test_megatron_lm_device_properties_needed_and_work() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "from megatron.training.utils.common_utils import get_device_arch_version\n"
+        "try:\n    get_device_arch_version()\nexcept (AssertionError, RuntimeError) as e:\n"
+        "    print('bare fails')\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    print('arch', get_device_arch_version())\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "bare fails" in probe.stdout, "retire 'megatron-lm-device-properties'"
+    assert "arch 9" in probe.stdout
+
+
+def test_megatron_lm_ddp_stream_needed_and_works() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "from megatron.training.models import dist_utils\n"
+        "print('uses stream', 'torch.cuda.Stream()' in inspect.getsource(dist_utils._ddp_wrap))\n"
+        "try:\n    torch.cuda.Stream()\nexcept RuntimeError:\n    print('bare fails')\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    s = torch.cuda.Stream()\n"
+        "    s.wait_stream(torch.cuda.current_stream())\n"
+        "    with torch.cuda.stream(s):\n        print('stream ok')\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "uses stream True" in probe.stdout, "retire 'megatron-lm-ddp-stream'"
+    assert "bare fails" in probe.stdout and "stream ok" in probe.stdout
 
 
 def test_jit_fuser_off_needed_and_works() -> None:

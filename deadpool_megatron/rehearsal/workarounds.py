@@ -86,4 +86,23 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "Python 3.12; on 3.11 typing_extensions.override, the same decorator, is put there.",
         ("../training/models/gpt.py:5", "../training/models/hybrid.py:5"),
     ),
+    Workaround(
+        "megatron-lm-one-device",
+        "Megatron-LM's initialize_megatron asserts torch.cuda.is_available() and, with no "
+        "device, skips initialize_model_parallel and the TP RNG seeding; inside it only, "
+        "torch.cuda reports one device (set_device is a no-op on CPU).",
+        ("../training/initialize.py:66", "../training/initialize.py:281,359"),
+    ),
+    Workaround(
+        "megatron-lm-device-properties",
+        "validate_args reads the GPU architecture (get_device_arch_version) whenever TP > 1; "
+        "on CPU a Hopper-like stand-in answers.",
+        ("../training/arguments.py:1417", "../training/utils/common_utils.py:504"),
+    ),
+    Workaround(
+        "megatron-lm-ddp-stream",
+        "Megatron-LM wraps the model in DDP inside a new torch.cuda.Stream; on CPU the stream "
+        "is the host stand-in and torch.cuda.stream() an empty context.",
+        ("../training/models/dist_utils.py:303",),
+    ),
 )

@@ -6,26 +6,40 @@ so the patched tree is driven the way a user's checkout is: Megatron's own argum
 `parse_and_validate_args`, the config containers and `megatron.training.pretrain`, with a
 dataset provider and a forward step of our own (mock GPT data, the local layer spec).
 
-On a machine without CUDA it first applies the CPU-rehearsal import workarounds
-(deadpool_megatron.rehearsal), which a GPU run does not need.
+On a machine without CUDA it runs inside the CPU-rehearsal workarounds
+(deadpool_megatron.rehearsal, megatron_lm.py for megatron/training), which a GPU run does not
+need, and wants Megatron's own CPU switches: --transformer-impl local
+--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion
+--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --rerun-mode disabled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 from typing import Any
 
 
-def _prepare_imports() -> None:
+def _cpu_rehearsal() -> contextlib.AbstractContextManager:
+    """On a machine without CUDA: the import workarounds now, and a context with the run
+    workarounds (megatron/core's and megatron/training's) for the whole run; one torch
+    thread, as bit-identical runs need a fixed count. On a GPU: nothing."""
     import torch
 
-    if not torch.cuda.is_available():
-        from deadpool_megatron.rehearsal import prepare_megatron_import
-        from deadpool_megatron.rehearsal.imports import provide_typing_override
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import
+    from deadpool_megatron.rehearsal.imports import provide_typing_override
+    from deadpool_megatron.rehearsal.megatron_lm import MegatronLmOnCpu
 
-        prepare_megatron_import(True)
-        provide_typing_override()
+    prepare_megatron_import(True)
+    provide_typing_override()
+    torch.set_num_threads(1)
+    stack = contextlib.ExitStack()
+    stack.enter_context(CpuRehearsal())
+    stack.enter_context(MegatronLmOnCpu())
+    return stack
 
 
 def datasets_provider(num_samples: list[int], vp_stage: int | None = None) -> tuple:
@@ -64,17 +78,17 @@ def forward_step(data_iterator: Any, model: Any) -> tuple:
 
 
 def main() -> None:
-    _prepare_imports()
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import (gpt_config_from_args,
-                                                  pretrain_cfg_container_from_args)
-    from megatron.training.arguments import parse_and_validate_args
+    with _cpu_rehearsal():
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+        from megatron.training.argument_utils import (gpt_config_from_args,
+                                                      pretrain_cfg_container_from_args)
+        from megatron.training.arguments import parse_and_validate_args
 
-    datasets_provider.is_distributed = True  # type: ignore[attr-defined]
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+        datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+        args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+        config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":
