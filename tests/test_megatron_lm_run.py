@@ -1,0 +1,76 @@
+"""Megatron-LM's own pretrain() and train() loop, patched, on CPU: TP2 x PP2 x DP2 with the
+distributed optimizer (8 processes, gloo), driven by the upstream-shaped driver.
+
+With --deadpool the patched loop snapshots every iteration to ring buddies without changing
+a bit of the training, and the micro-batch phases reach the fault injector at the right
+point of Megatron's own loop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron
+from deadpool_megatron.patching.cli import run
+from deadpool_megatron.testing.jobs import run_job
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
+DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
+# Megatron's own switches for a CPU run (no TransformerEngine, apex or fused kernels).
+CPU_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+             "--no-bias-dropout-fusion", "--no-rope-fusion", "--rerun-mode", "disabled"]
+MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+         "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--distributed-backend", "gloo",
+         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
+ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron_lm") / "Megatron-LM"
+    shutil.copytree(Path(megatron.__path__[0]), root / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    # pretrain() runs `make` for the dataset helpers (Megatron-LM's Makefile); the wheel
+    # ships them built and no Makefile, so the tree gets an empty one.
+    (root / "megatron/core/datasets/Makefile").write_text("default:\n\t@true\n")
+    shutil.copy(DRIVER, root / "pretrain_gpt.py")
+    code, msg = run([str(root)])
+    assert code == 0, msg
+    return root
+
+
+def _events(path: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in Path(f"{path}.rank{rank}").read_text().splitlines()]
+
+
+def test_megatrons_loop_with_deadpool_snapshots_and_fires_the_phases(patched_tree: Path,
+                                                                     tmp_path: Path) -> None:
+    script = patched_tree / "pretrain_gpt.py"
+    plain = run_job(8, [*MODEL, *CPU_FLAGS], tmp_path / "plain", timeout_s=400,
+                    script=script, env=ENV)
+    assert plain.ok, plain.describe()
+    assert sorted(plain.losses) == [1, 2, 3, 4], plain.describe()
+
+    events = tmp_path / "events"
+    ft = run_job(8, [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-ranks-per-node", "4",
+                     "--deadpool-events", str(events),
+                     "--deadpool-inject", "raise rank=5 iter=4 phase=reduction"],
+                 tmp_path / "deadpool", timeout_s=400, script=script, env=ENV)
+    assert not ft.timed_out and ft.returncodes[5] != 0, ft.describe()
+    # Bit-identical training up to the failure: the hooks only read.
+    assert ft.losses == {i: plain.losses[i] for i in (1, 2, 3)}, ft.describe()
+    for rank in range(8):
+        committed = [e["iteration"] for e in _events(events, rank)
+                     if e["event"] == "snapshot_committed"]
+        assert committed == [0, 1, 2, 3], (rank, committed)
+    fault = [e for e in _events(events, 5) if e["event"] == "fault_injected"]
+    assert [(f["iteration"], f["phase"]) for f in fault] == [(4, "reduction")]
+    assert "InjectedFault: injected fault on rank 5" in ft.logs[5], ft.logs[5][-3000:]
