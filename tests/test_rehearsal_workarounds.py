@@ -19,7 +19,8 @@ TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
     "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
-    "megatron-lm-device-properties", "megatron-lm-ddp-stream",
+    "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
+    "megatron-lm-load-torch-adam",
 }
 
 
@@ -131,6 +132,63 @@ def test_megatron_lm_ddp_stream_needed_and_works() -> None:
     assert probe.returncode == 0, probe.stderr
     assert "uses stream True" in probe.stdout, "retire 'megatron-lm-ddp-stream'"
     assert "bare fails" in probe.stdout and "stream ok" in probe.stdout
+
+
+def test_megatron_lm_cuda_rng_state_needed_and_works() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "from megatron.training import checkpointing\n"
+        "src = inspect.getsource(checkpointing)\n"
+        "print('saves', 'torch.cuda.get_rng_state()' in src, "
+        "'torch.cuda.set_rng_state(' in src)\n"
+        "try:\n    torch.cuda.get_rng_state()\nexcept (AssertionError, RuntimeError):\n"
+        "    print('bare fails')\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    s = torch.cuda.get_rng_state()\n"
+        "    torch.cuda.set_rng_state(s)\n"
+        "    print('state', s.numel())\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "saves True True" in probe.stdout, "retire 'megatron-lm-cuda-rng-state'"
+    assert "bare fails" in probe.stdout and "state 0" in probe.stdout
+
+
+def test_megatron_lm_load_torch_adam_needed_and_works() -> None:
+    """The two Megatron lines the load trips on, against a torch Adam before its first
+    step; the full load is run by tests/test_megatron_lm_run.py."""
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "from megatron.core.optimizer import distrib_optimizer as d\n"
+        "src = inspect.getsource(d.DistributedOptimizer)\n"
+        "print('reads step', 'assert len(steps) == 1' in src, "
+        "'dst_tensors[key].copy_(tensors[key])' in src)\n"
+        "p = torch.nn.Parameter(torch.zeros(3))\n"
+        "opt = torch.optim.Adam([p])\n"
+        "print('state before step', len(opt.state_dict()['state']))\n"
+        "try:\n    p.view(-1).copy_(torch.ones(3))\nexcept RuntimeError:\n"
+        "    print('copy needs no_grad')\n"
+        "from types import SimpleNamespace\n"
+        "from deadpool_megatron.rehearsal.megatron_lm import _with_optimizer_state\n"
+        "q = torch.nn.Parameter(torch.zeros(3))\n"
+        "opt.add_param_group({'params': [q]})\n"
+        "def load(model, optimizer):\n"
+        "    p.view(-1).copy_(torch.ones(3))\n"
+        "    sd = optimizer.optimizer.state_dict()\n"
+        "    shared = torch.tensor(2.0)\n"
+        "    for s in sd['state'].values():\n        s['step'] = shared\n"
+        "    optimizer.optimizer.load_state_dict(sd)\n"
+        "    st = optimizer.optimizer.state\n"
+        "    print('tied by the load', st[p]['step'] is st[q]['step'])\n"
+        "    return sorted(sd['state'][0])\n"
+        "print('loaded', _with_optimizer_state(load)(None, SimpleNamespace(optimizer=opt)))\n"
+        "p.grad, q.grad = torch.ones(3), torch.ones(3)\n"
+        "opt.step()\n"
+        "print('steps', float(opt.state[p]['step']), float(opt.state[q]['step']))\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "reads step True True" in probe.stdout, "retire 'megatron-lm-load-torch-adam'"
+    assert "state before step 0" in probe.stdout and "copy needs no_grad" in probe.stdout
+    assert "loaded ['exp_avg', 'exp_avg_sq', 'step']" in probe.stdout, probe.stdout
+    assert "tied by the load True" in probe.stdout, "torch now copies 'step' on load"
+    assert "steps 3.0 3.0" in probe.stdout, probe.stdout
 
 
 def test_jit_fuser_off_needed_and_works() -> None:

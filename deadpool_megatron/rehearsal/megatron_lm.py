@@ -57,8 +57,13 @@ class MegatronLmOnCpu:
         self._patch(cuda, "get_device_properties", _device_properties)
         self._patch(cuda, "Stream", lambda *a, **k: self._stream)
         self._patch(cuda, "stream", lambda stream=None: contextlib.nullcontext())
+        # Checkpoints record the CUDA generator; on CPU there is none (the CPU generator and
+        # the rehearsal's tracker states are saved beside it), so it is an empty state.
+        self._patch(cuda, "get_rng_state", lambda device="cuda": torch.empty(0, dtype=torch.uint8))
+        self._patch(cuda, "set_rng_state", lambda state, device="cuda": None)
         self._patch(training, "initialize_megatron",
                     _inside_one_device(training.initialize_megatron))
+        self._patch(training, "load_checkpoint", _with_optimizer_state(training.load_checkpoint))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -74,3 +79,36 @@ def _inside_one_device(func: Callable) -> Callable:
             return func(*args, **kwargs)
 
     return wrapper
+
+
+def _with_optimizer_state(load: Callable) -> Callable:
+    """Megatron's distributed optimizer, loading into torch's Adam (no TransformerEngine or
+    apex on CPU), reads the Adam step of every parameter's state, which torch creates only at
+    the first step: the state is allocated first, exactly as that step would. That path then
+    copies into the fp32 main parameters (leaves that require grad) with autograd on: the
+    load runs under torch.no_grad(), as nothing in it is differentiated. And it hands every
+    parameter the same `step` tensor, which torch's Adam increments in place once per
+    parameter: each parameter gets its own copy back."""
+
+    @functools.wraps(load)
+    def wrapper(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if optimizer is not None:
+            from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
+
+            allocate_optimizer_state(optimizer)
+        with torch.no_grad():
+            result = load(model, optimizer, *args, **kwargs)
+        if optimizer is not None:
+            _untie_adam_steps(optimizer)
+        return result
+
+    return wrapper
+
+
+def _untie_adam_steps(optimizer: Any) -> None:
+    from deadpool_megatron.integration.optimizer_state import inner_optimizers
+
+    for inner in inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

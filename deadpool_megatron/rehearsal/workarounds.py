@@ -105,4 +105,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "is the host stand-in and torch.cuda.stream() an empty context.",
         ("../training/models/dist_utils.py:303",),
     ),
+    Workaround(
+        "megatron-lm-cuda-rng-state",
+        "Megatron-LM's checkpoints record torch.cuda.get_rng_state() and restore it; on CPU "
+        "there is no CUDA generator (the CPU generator and the tracker states are saved "
+        "beside it): an empty state, and restoring it is a no-op.",
+        ("../training/checkpointing.py:417,2665,2677",),
+    ),
+    Workaround(
+        "megatron-lm-load-torch-adam",
+        "Loading a distributed-optimizer checkpoint into torch's Adam (no TransformerEngine or "
+        "apex on CPU) reads an Adam step torch creates only at the first step, then copies "
+        "into leaves that require grad, and hands every parameter one shared `step` tensor "
+        "that Adam increments once per parameter: the state is allocated as that step "
+        "would, the load runs under no_grad, and each parameter gets its own step back.",
+        ("optimizer/distrib_optimizer.py:839,1030,1225",),
+    ),
 )
