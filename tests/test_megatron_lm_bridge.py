@@ -62,7 +62,10 @@ def _megatron_like_step(loop: MegatronLoop, config: SimpleNamespace, weight: tor
 def test_hooks_fire_in_our_loops_order() -> None:
     rec = Recorder()
     reduced: list[int] = []
-    config = SimpleNamespace(finalize_model_grads_func=lambda model, *a, **k: reduced.append(1))
+    def original(model, *a, **k):
+        reduced.append(1)
+
+    config = SimpleNamespace(finalize_model_grads_func=original)
     args = add_deadpool_args(argparse.ArgumentParser()).parse_args([])
     args.consumed_train_samples = 0
     loop = MegatronLoop.start(args, [], None, None, config, iteration=0, extra_hooks=[rec])
@@ -79,6 +82,7 @@ def test_hooks_fire_in_our_loops_order() -> None:
         expected += [s.format(it) for s in one] + [f"after_iteration@{it + 1}/{8 * (it + 1)}"]
     assert rec.seen == expected + ["train_end"]
     assert reduced == [1, 1], "Megatron's own reduction still runs, once per iteration"
+    assert config.finalize_model_grads_func is original, "unwrapped after the loop"
 
 
 def test_deadpool_flags_join_megatrons_parser_and_map_back() -> None:
@@ -107,6 +111,14 @@ def test_bad_deadpool_flags_are_refused_naming_the_flag(monkeypatch) -> None:
     args = add_deadpool_args(argparse.ArgumentParser()).parse_args(
         ["--deadpool-inject", "kill rank=0 iter=1"])
     with pytest.raises(ConfigError, match="--deadpool-inject needs --deadpool"):
+        fault_tolerance_hooks(args)
+
+
+def test_restore_rehearsal_is_refused_in_megatrons_loop(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = add_deadpool_args(argparse.ArgumentParser()).parse_args(
+        ["--deadpool", "--deadpool-ranks-per-node", "2", "--deadpool-verify-restore-at", "2"])
+    with pytest.raises(ConfigError, match="--deadpool-verify-restore-at is not available"):
         fault_tolerance_hooks(args)
 
 

@@ -64,6 +64,14 @@ def test_check_and_status_write_nothing(tree: Path) -> None:
     assert _digest(tree) == before
 
 
+def test_a_dry_run_of_the_reverse_writes_nothing(tree: Path) -> None:
+    assert run([str(tree)])[0] == 0
+    patched = _digest(tree)
+    code, msg = run([str(tree), "--reverse", "--check"])
+    assert code == 0 and "would reverse cleanly" in msg, msg
+    assert _digest(tree) == patched
+
+
 def test_applying_twice_is_a_no_op_with_a_message(tree: Path) -> None:
     assert run([str(tree)])[0] == 0
     patched = _digest(tree)

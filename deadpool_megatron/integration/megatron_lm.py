@@ -71,6 +71,11 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
             "--deadpool under deadpool-launch (hot-swap) is not available for Megatron-LM's "
             "own train() yet: launch pretrain_scripts/pretrain_gpt.py for hot-swap, or drop "
             "--deadpool here (deadpool-launch then restarts the job from --save on a failure).")
+    if ft.deadpool_verify_restore_at is not None:
+        raise ConfigError(
+            "--deadpool-verify-restore-at is not available in Megatron-LM's own loop yet (the "
+            "rehearsal rebuilds the model with pretrain_scripts/pretrain_gpt.py's builder, "
+            "not Megatron's model provider); drop it here.")
     from deadpool_megatron.training.main import deadpool_hooks
 
     return deadpool_hooks(train_config(args), ft, world,
@@ -84,6 +89,8 @@ class MegatronLoop:
         self.hooks = HookChain(list(hooks))
         self.state = state
         self._forwards = 0  # forward steps of the running iteration
+        self._config = config
+        self._finalize: Callable | None = getattr(config, "finalize_model_grads_func", None)
         self._guard_reduction(config)
 
     @classmethod
@@ -154,4 +161,8 @@ class MegatronLoop:
         self.hooks.after_iteration(self.state)
 
     def end(self) -> None:
+        """After train()'s loop: on_train_end, and Megatron's reduction unwrapped (a later
+        train() call wraps it again, never twice)."""
         self.hooks.on_train_end(self.state)
+        if self._finalize is not None:
+            self._config.finalize_model_grads_func = self._finalize

@@ -1,4 +1,4 @@
-"""deadpool-patch MEGATRON_LM_DIR [--check] [--reverse] [--status]
+"""deadpool-patch MEGATRON_LM_DIR [--check] [--reverse] | --status
 
 Applies (or reverses) the patch set of the tree's release. Every file is checked before any
 is written; on any error nothing is written and the exit status is 1.
@@ -22,12 +22,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Patch a Megatron-LM tree so its own training loop calls DeadPool-Megatron.")
     p.add_argument("tree", metavar="MEGATRON_LM_DIR", type=Path,
                    help="The Megatron-LM checkout (the directory that holds megatron/).")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true",
-                      help="Dry run: say what would change, write nothing.")
-    mode.add_argument("--reverse", action="store_true", help="Remove the patches.")
-    mode.add_argument("--status", action="store_true",
-                      help="Print the release and each file's state; write nothing.")
+    p.add_argument("--check", action="store_true",
+                   help="Dry run (with --reverse too): say what would change, write nothing.")
+    p.add_argument("--reverse", action="store_true", help="Remove the patches.")
+    p.add_argument("--status", action="store_true",
+                   help="Print the release and each file's state; write nothing.")
     return p
 
 
@@ -47,7 +46,10 @@ def _refuse(states: list[FileState]) -> str | None:
 
 def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
     """(exit status, message): the whole command, without printing (tests call this)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.status and (args.check or args.reverse):
+        parser.error("--status reports only; use it without --check or --reverse")
     tree: Path = args.tree.resolve()
     try:
         version, release = release_of(tree)
