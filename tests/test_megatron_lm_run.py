@@ -3,7 +3,7 @@ distributed optimizer (8 processes, gloo), driven by the upstream-shaped driver.
 
 With --deadpool the patched loop snapshots every iteration to ring buddies without changing
 a bit of the training, and the micro-batch phases reach the fault injector at the right
-point of Megatron's own loop. Megatron's own --save/--load resume from the saved state.
+point of Megatron's own loop. Megatron's own --save/--load resume the same training.
 
 Dropout is off: with it, the first resumed iteration differs on CPU, where the default
 generator doubles as CUDA's and is presumably drawn from after the checkpoint's RNG state
@@ -69,10 +69,12 @@ def test_megatrons_loop_resumes_and_with_deadpool_snapshots_and_fires_the_phases
     resumed = run_job(8, [*MODEL, *CPU_FLAGS, "--load", str(ckpt)], tmp_path / "resumed",
                       timeout_s=400, script=script, env=ENV)
     assert resumed.ok, resumed.describe()
-    # Parameters, data position and learning rate come back exactly: the first resumed
-    # iteration's loss is the uninterrupted run's. (Its step is not yet: with torch's Adam
-    # the reloaded optimizer state still differs, see docs/DESIGN.md.)
-    assert sorted(resumed.losses) == [3, 4], resumed.describe()
+    # The same training, bit for bit: the state fingerprint the patched loop ends with.
+    # (Of the logged losses only iteration 3's is comparable: Megatron does not reset its
+    # loss sums after a run's first logged iteration, so every run's second line averages
+    # two iterations: 1-2 in a fresh run, 3-4 in this resumed one.)
+    assert plain.fingerprint is not None, plain.describe()
+    assert resumed.fingerprint == plain.fingerprint, resumed.describe()
     assert resumed.losses[3] == plain.losses[3], resumed.describe()
 
     events = tmp_path / "events"

@@ -173,12 +173,12 @@ def test_megatron_lm_load_torch_adam_needed_and_works() -> None:
         "def load(model, optimizer):\n"
         "    p.view(-1).copy_(torch.ones(3))\n"
         "    sd = optimizer.optimizer.state_dict()\n"
-        "    shared = torch.tensor(2.0)\n"
+        "    shared = torch.tensor(0.0)  # the pre-load value\n"
         "    for s in sd['state'].values():\n        s['step'] = shared\n"
         "    optimizer.optimizer.load_state_dict(sd)\n"
         "    st = optimizer.optimizer.state\n"
         "    print('tied by the load', st[p]['step'] is st[q]['step'])\n"
-        "    return sorted(sd['state'][0])\n"
+        "    return 2, sorted(sd['state'][0])\n"
         "print('loaded', _with_optimizer_state(load)(None, SimpleNamespace(optimizer=opt)))\n"
         "p.grad, q.grad = torch.ones(3), torch.ones(3)\n"
         "opt.step()\n"
@@ -186,7 +186,7 @@ def test_megatron_lm_load_torch_adam_needed_and_works() -> None:
     assert probe.returncode == 0, probe.stderr
     assert "reads step True True" in probe.stdout, "retire 'megatron-lm-load-torch-adam'"
     assert "state before step 0" in probe.stdout and "copy needs no_grad" in probe.stdout
-    assert "loaded ['exp_avg', 'exp_avg_sq', 'step']" in probe.stdout, probe.stdout
+    assert "loaded (2, ['exp_avg', 'exp_avg_sq', 'step'])" in probe.stdout, probe.stdout
     assert "tied by the load True" in probe.stdout, "torch now copies 'step' on load"
     assert "steps 3.0 3.0" in probe.stdout, probe.stdout
 

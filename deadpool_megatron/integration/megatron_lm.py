@@ -161,8 +161,19 @@ class MegatronLoop:
         self.hooks.after_iteration(self.state)
 
     def end(self) -> None:
-        """After train()'s loop: on_train_end, and Megatron's reduction unwrapped (a later
-        train() call wraps it again, never twice)."""
+        """After train()'s loop: on_train_end, Megatron's reduction unwrapped (a later
+        train() call wraps it again, never twice), and the job's state fingerprint, the
+        line our pretrain_gpt.py ends with: runs that must be bit-identical (a resumed or
+        recovered one and the same run without interruption) print the same."""
         self.hooks.on_train_end(self.state)
         if self._finalize is not None:
             self._config.finalize_model_grads_func = self._finalize
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from deadpool_megatron.integration.fingerprint import job_fingerprint
+
+            objs = self.state.objects
+            fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
+            if dist.get_rank() == 0:
+                print(f"state fingerprint: {fingerprint}", flush=True)

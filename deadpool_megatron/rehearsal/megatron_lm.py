@@ -86,9 +86,12 @@ def _with_optimizer_state(load: Callable) -> Callable:
     apex on CPU), reads the Adam step of every parameter's state, which torch creates only at
     the first step: the state is allocated first, exactly as that step would. That path then
     copies into the fp32 main parameters (leaves that require grad) with autograd on: the
-    load runs under torch.no_grad(), as nothing in it is differentiated. And it hands every
-    parameter the same `step` tensor, which torch's Adam increments in place once per
-    parameter: each parameter gets its own copy back."""
+    load runs under torch.no_grad(), as nothing in it is differentiated. And the step it
+    hands the parameters is wrong: the distributed optimizer's is the state allocated before
+    the load (0), not the checkpoint's, and it is one tensor shared by every parameter,
+    which torch's Adam would increment once per parameter. Each parameter gets a step of its
+    own, equal to the loaded iteration (the CPU rehearsal trains in fp32, where Megatron
+    skips no step; the plain optimizer's loaded step is that number too)."""
 
     @functools.wraps(load)
     def wrapper(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -99,16 +102,17 @@ def _with_optimizer_state(load: Callable) -> Callable:
         with torch.no_grad():
             result = load(model, optimizer, *args, **kwargs)
         if optimizer is not None:
-            _untie_adam_steps(optimizer)
+            _set_adam_steps(optimizer, int(result[0]))
         return result
 
     return wrapper
 
 
-def _untie_adam_steps(optimizer: Any) -> None:
+def _set_adam_steps(optimizer: Any, iteration: int) -> None:
     from deadpool_megatron.integration.optimizer_state import inner_optimizers
 
     for inner in inner_optimizers(optimizer):
         for state in inner.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                state["step"] = torch.full_like(step, float(iteration))

@@ -117,8 +117,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "Loading a distributed-optimizer checkpoint into torch's Adam (no TransformerEngine or "
         "apex on CPU) reads an Adam step torch creates only at the first step, then copies "
         "into leaves that require grad, and hands every parameter one shared `step` tensor "
-        "that Adam increments once per parameter: the state is allocated as that step "
-        "would, the load runs under no_grad, and each parameter gets its own step back.",
+        "(the distributed optimizer's: the pre-load value, not the checkpoint's) that Adam "
+        "increments once per parameter: the state is allocated as that step would, the load "
+        "runs under no_grad, and each parameter gets a step of its own, the loaded iteration.",
         ("optimizer/distrib_optimizer.py:839,1030,1225",),
     ),
 )
