@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 import megatron
 from deadpool_megatron.patching.cli import run
-from deadpool_megatron.testing.jobs import run_job
+from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
 DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
@@ -56,35 +58,47 @@ def _events(path: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in Path(f"{path}.rank{rank}").read_text().splitlines()]
 
 
-def test_megatrons_loop_resumes_and_with_deadpool_snapshots_and_fires_the_phases(patched_tree: Path,
-                                                                     tmp_path: Path) -> None:
-    script = patched_tree / "pretrain_gpt.py"
-    ckpt = tmp_path / "ckpt"
-    plain = run_job(8, [*MODEL, *CPU_FLAGS, "--save", str(ckpt), "--save-interval", "2"],
-                    tmp_path / "plain", timeout_s=400, script=script, env=ENV)
-    assert plain.ok, plain.describe()
-    assert sorted(plain.losses) == [1, 2, 3, 4], plain.describe()
+@pytest.fixture(scope="module")
+def plain(patched_tree: Path, tmp_path_factory) -> tuple[JobResult, Path]:
+    """The failure-free run, saving Megatron checkpoints at iterations 2 and 4."""
+    out = tmp_path_factory.mktemp("plain")
+    ckpt = out / "ckpt"
+    run = run_job(8, [*MODEL, *CPU_FLAGS, "--save", str(ckpt), "--save-interval", "2"],
+                  out / "logs", timeout_s=400, script=patched_tree / "pretrain_gpt.py", env=ENV)
+    assert run.ok, run.describe()
+    assert sorted(run.losses) == [1, 2, 3, 4] and run.fingerprint, run.describe()
+    return run, ckpt
 
+
+def test_megatrons_load_resumes_bit_for_bit(patched_tree: Path, plain, tmp_path: Path) -> None:
+    run, saved = plain
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = run_job(8, [*MODEL, *CPU_FLAGS, "--load", str(ckpt)], tmp_path / "resumed",
-                      timeout_s=400, script=script, env=ENV)
+                      timeout_s=400, script=patched_tree / "pretrain_gpt.py", env=ENV)
     assert resumed.ok, resumed.describe()
     # The same training, bit for bit: the state fingerprint the patched loop ends with.
     # (Of the logged losses only iteration 3's is comparable: Megatron does not reset its
     # loss sums after a run's first logged iteration, so every run's second line averages
     # two iterations: 1-2 in a fresh run, 3-4 in this resumed one.)
-    assert plain.fingerprint is not None, plain.describe()
-    assert resumed.fingerprint == plain.fingerprint, resumed.describe()
-    assert resumed.losses[3] == plain.losses[3], resumed.describe()
+    assert resumed.fingerprint == run.fingerprint, resumed.describe()
+    assert resumed.losses[3] == run.losses[3], resumed.describe()
 
+
+def test_with_deadpool_it_snapshots_and_the_phases_fire(patched_tree: Path, plain,
+                                                        tmp_path: Path) -> None:
+    run, _ = plain
     events = tmp_path / "events"
     ft = run_job(8, [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-ranks-per-node", "4",
                      "--deadpool-events", str(events),
                      "--deadpool-inject", "raise rank=5 iter=4 phase=reduction"],
-                 tmp_path / "deadpool", timeout_s=400, script=script, env=ENV)
+                 tmp_path / "deadpool", timeout_s=400, script=patched_tree / "pretrain_gpt.py",
+                 env=ENV)
     assert not ft.timed_out and ft.returncodes[5] != 0, ft.describe()
-    # Bit-identical training up to the failure: the hooks only read.
-    assert ft.losses == {i: plain.losses[i] for i in (1, 2, 3)}, ft.describe()
+    # Bit-identical training up to the failure: the hooks only read. (Iteration 2's line
+    # averages 1-2 in both runs.)
+    assert ft.losses == {i: run.losses[i] for i in (1, 2, 3)}, ft.describe()
     for rank in range(8):
         committed = [e["iteration"] for e in _events(events, rank)
                      if e["event"] == "snapshot_committed"]
@@ -92,3 +106,44 @@ def test_megatrons_loop_resumes_and_with_deadpool_snapshots_and_fires_the_phases
     fault = [e for e in _events(events, 5) if e["event"] == "fault_injected"]
     assert [(f["iteration"], f["phase"]) for f in fault] == [(4, "reduction")]
     assert "InjectedFault: injected fault on rank 5" in ft.logs[5], ft.logs[5][-3000:]
+
+
+def _kill_rank_when(log: Path, text: str, script: Path, rank: int, stop: threading.Event,
+                    killed: list[int]) -> None:
+    """SIGKILL the worker running `script` as `rank` once `text` appears in `log`."""
+    while not stop.wait(0.1):
+        if not log.exists() or text not in log.read_text(errors="replace"):
+            continue
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if str(script) in (proc.info["cmdline"] or []) and \
+                        proc.environ().get("RANK") == str(rank):
+                    proc.kill()
+                    killed.append(proc.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return
+
+
+def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_save(
+        patched_tree: Path, plain, tmp_path: Path) -> None:
+    """Without --deadpool (hot-swap in Megatron's loop is not built), deadpool-launch runs
+    the job as torchrun would: a failure restarts every worker with --load from --save."""
+    run, _ = plain
+    script = patched_tree / "pretrain_gpt.py"
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
+        tmp_path / "launch" / "launcher.log", "iteration        3/", script, 5, stop, killed))
+    killer.start()
+    try:
+        job = run_launched(["--nproc-per-node", "8", "--max-restarts", "1"],
+                           [*MODEL, *CPU_FLAGS, "--save", str(tmp_path / "ckpt"),
+                            "--save-interval", "2"],
+                           tmp_path / "launch", timeout_s=700, env=ENV, script=script)
+    finally:
+        stop.set()
+        killer.join(5)
+    assert killed, job.describe()
+    assert job.returncodes == [0], job.describe()
+    assert "restarting all 8 workers with --load" in job.output, job.describe()
+    assert job.fingerprint == run.fingerprint, job.describe()
