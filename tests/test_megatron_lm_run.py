@@ -12,6 +12,7 @@ is restored (building the data loader's iterator)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -133,7 +134,8 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     script = patched_tree / "pretrain_gpt.py"
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
-        tmp_path / "launch" / "launcher.log", "iteration        3/", script, 5, stop, killed))
+        tmp_path / "launch" / "launcher.log", "saved checkpoint from iteration       2 ", script,
+        5, stop, killed))
     killer.start()
     try:
         job = run_launched(["--nproc-per-node", "8", "--max-restarts", "1"],
@@ -146,4 +148,8 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     assert killed, job.describe()
     assert job.returncodes == [0], job.describe()
     assert "restarting all 8 workers with --load" in job.output, job.describe()
+    # The restarted job resumed from Megatron's checkpoint, not from scratch.
+    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
+                     job.output), job.describe()
+    assert re.findall(r"iteration +(\d+)/ +4 \|", job.output).count("1") == 1, job.describe()
     assert job.fingerprint == run.fingerprint, job.describe()
