@@ -15,5 +15,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest"],
     },
-    entry_points={"console_scripts": ["deadpool-launch=deadpool_megatron.launch.launcher:main"]},
+    entry_points={"console_scripts": [
+        "deadpool-launch=deadpool_megatron.launch.launcher:main",
+        "deadpool-patch=deadpool_megatron.patching.cli:main",
+    ]},
 )

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only work
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
-    "shared-gloo-groups",
+    "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
+    "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
+    "megatron-lm-load-torch-adam",
 }
 
 
@@ -59,6 +61,134 @@ def test_paged_stash_import_needed_and_works() -> None:
     )
     assert stubbed.returncode == 0, stubbed.stderr
     assert "needs triton" in stubbed.stdout
+
+
+def test_typing_override_needed_and_works() -> None:
+    probe = ("import sys\n"
+             "from deadpool_megatron.rehearsal import prepare_megatron_import\n"
+             "from deadpool_megatron.rehearsal.imports import provide_typing_override\n"
+             "prepare_megatron_import(True)\n"
+             "{}\n"
+             "import megatron.training.models.gpt\n")
+    bare = _python(probe.format("pass"))
+    if sys.version_info >= (3, 12):
+        assert bare.returncode == 0, bare.stderr
+        pytest.skip("typing.override exists on this Python: 'typing-override' is a no-op")
+    assert bare.returncode != 0 and "cannot import name 'override'" in bare.stderr, (
+        "megatron/training imports without typing.override: retire 'typing-override'")
+    fixed = _python(probe.format("assert provide_typing_override()"))
+    assert fixed.returncode == 0, fixed.stderr
+
+
+_MEGATRON_LM = ("import torch\n"
+                "from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import\n"
+                "from deadpool_megatron.rehearsal.imports import provide_typing_override\n"
+                "from deadpool_megatron.rehearsal.megatron_lm import MegatronLmOnCpu\n"
+                "prepare_megatron_import(True)\n"
+                "provide_typing_override()\n"
+                "import megatron.training.training as training\n")
+
+
+def test_megatron_lm_one_device_needed_and_works() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "def attempt():\n"
+        "    try:\n        training.initialize_megatron()\n"
+        "    except AssertionError as e:\n        return str(e)\n"
+        "print('bare:', attempt())\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    print('shimmed:', attempt())\n"
+        "    print('outside initialize:', torch.cuda.is_available())\n"
+        "print('after:', training.initialize_megatron.__module__)\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "bare: Megatron requires CUDA." in probe.stdout, (
+        "initialize_megatron no longer asserts CUDA: retire 'megatron-lm-one-device'")
+    assert "shimmed: args is not initialized" in probe.stdout, probe.stdout
+    assert "outside initialize: False" in probe.stdout
+    assert "after: megatron.training.initialize" in probe.stdout, "the wrapper is undone"
+
+
+def test_megatron_lm_device_properties_needed_and_work() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "from megatron.training.utils.common_utils import get_device_arch_version\n"
+        "try:\n    get_device_arch_version()\nexcept (AssertionError, RuntimeError) as e:\n"
+        "    print('bare fails')\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    print('arch', get_device_arch_version())\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "bare fails" in probe.stdout, "retire 'megatron-lm-device-properties'"
+    assert "arch 9" in probe.stdout
+
+
+def test_megatron_lm_ddp_stream_needed_and_works() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "from megatron.training.models import dist_utils\n"
+        "print('uses stream', 'torch.cuda.Stream()' in inspect.getsource(dist_utils._ddp_wrap))\n"
+        "try:\n    torch.cuda.Stream()\nexcept RuntimeError:\n    print('bare fails')\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    s = torch.cuda.Stream()\n"
+        "    s.wait_stream(torch.cuda.current_stream())\n"
+        "    with torch.cuda.stream(s):\n        print('stream ok')\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "uses stream True" in probe.stdout, "retire 'megatron-lm-ddp-stream'"
+    assert "bare fails" in probe.stdout and "stream ok" in probe.stdout
+
+
+def test_megatron_lm_cuda_rng_state_needed_and_works() -> None:
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "from megatron.training import checkpointing\n"
+        "src = inspect.getsource(checkpointing)\n"
+        "print('saves', 'torch.cuda.get_rng_state()' in src, "
+        "'torch.cuda.set_rng_state(' in src)\n"
+        "try:\n    torch.cuda.get_rng_state()\nexcept (AssertionError, RuntimeError):\n"
+        "    print('bare fails')\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    s = torch.cuda.get_rng_state()\n"
+        "    torch.cuda.set_rng_state(s)\n"
+        "    print('state', s.numel())\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "saves True True" in probe.stdout, "retire 'megatron-lm-cuda-rng-state'"
+    assert "bare fails" in probe.stdout and "state 0" in probe.stdout
+
+
+def test_megatron_lm_load_torch_adam_needed_and_works() -> None:
+    """The two Megatron lines the load trips on, against a torch Adam before its first
+    step; the full load is run by tests/test_megatron_lm_run.py."""
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "from megatron.core.optimizer import distrib_optimizer as d\n"
+        "src = inspect.getsource(d.DistributedOptimizer)\n"
+        "print('reads step', 'assert len(steps) == 1' in src, "
+        "'dst_tensors[key].copy_(tensors[key])' in src)\n"
+        "p = torch.nn.Parameter(torch.zeros(3))\n"
+        "opt = torch.optim.Adam([p])\n"
+        "print('state before step', len(opt.state_dict()['state']))\n"
+        "try:\n    p.view(-1).copy_(torch.ones(3))\nexcept RuntimeError:\n"
+        "    print('copy needs no_grad')\n"
+        "from types import SimpleNamespace\n"
+        "from deadpool_megatron.rehearsal.megatron_lm import _with_optimizer_state\n"
+        "q = torch.nn.Parameter(torch.zeros(3))\n"
+        "opt.add_param_group({'params': [q]})\n"
+        "def load(model, optimizer):\n"
+        "    p.view(-1).copy_(torch.ones(3))\n"
+        "    sd = optimizer.optimizer.state_dict()\n"
+        "    shared = torch.tensor(0.0)  # the pre-load value\n"
+        "    for s in sd['state'].values():\n        s['step'] = shared\n"
+        "    optimizer.optimizer.load_state_dict(sd)\n"
+        "    st = optimizer.optimizer.state\n"
+        "    print('tied by the load', st[p]['step'] is st[q]['step'])\n"
+        "    return 2, sorted(sd['state'][0])\n"
+        "print('loaded', _with_optimizer_state(load)(None, SimpleNamespace(optimizer=opt)))\n"
+        "p.grad, q.grad = torch.ones(3), torch.ones(3)\n"
+        "opt.step()\n"
+        "print('steps', float(opt.state[p]['step']), float(opt.state[q]['step']))\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "reads step True True" in probe.stdout, "retire 'megatron-lm-load-torch-adam'"
+    assert "state before step 0" in probe.stdout and "copy needs no_grad" in probe.stdout
+    assert "loaded (2, ['exp_avg', 'exp_avg_sq', 'step'])" in probe.stdout, probe.stdout
+    assert "tied by the load True" in probe.stdout, "torch now copies 'step' on load"
+    assert "steps 3.0 3.0" in probe.stdout, probe.stdout
 
 
 def test_jit_fuser_off_needed_and_works() -> None:

@@ -100,3 +100,18 @@ def prepare_megatron_import(cpu_rehearsal: bool = False) -> bool:
     if not any(isinstance(f, _PagedStashStubFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PagedStashStubFinder())
     return True
+
+
+def provide_typing_override() -> bool:
+    """Give Python 3.11's `typing` the `override` decorator (new in 3.12), which
+    megatron/training/models/gpt.py and hybrid.py import from it; typing_extensions' is the
+    same decorator. Only Megatron-LM's own training package (patches/) needs it. Returns
+    whether it was added. Idempotent."""
+    import typing
+
+    if hasattr(typing, "override"):
+        return False
+    from typing_extensions import override
+
+    typing.override = override  # type: ignore[attr-defined]
+    return True

@@ -80,4 +80,46 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "loads. (moe/router.py still imports dynamo through a direct @torch.compile.)",
         ("jit.py:21", "fusions/fused_bias_geglu.py:16", "transformer/moe/router.py:918"),
     ),
+    Workaround(
+        "typing-override",
+        "megatron/training (Megatron-LM's own loop, patches/) imports typing.override, new in "
+        "Python 3.12; on 3.11 typing_extensions.override, the same decorator, is put there.",
+        ("../training/models/gpt.py:5", "../training/models/hybrid.py:5"),
+    ),
+    Workaround(
+        "megatron-lm-one-device",
+        "Megatron-LM's initialize_megatron asserts torch.cuda.is_available() and, with no "
+        "device, skips initialize_model_parallel and the TP RNG seeding; inside it only, "
+        "torch.cuda reports one device (set_device is a no-op on CPU).",
+        ("../training/initialize.py:66", "../training/initialize.py:281,359"),
+    ),
+    Workaround(
+        "megatron-lm-device-properties",
+        "validate_args reads the GPU architecture (get_device_arch_version) whenever TP > 1; "
+        "on CPU a Hopper-like stand-in answers.",
+        ("../training/arguments.py:1417", "../training/utils/common_utils.py:504"),
+    ),
+    Workaround(
+        "megatron-lm-ddp-stream",
+        "Megatron-LM wraps the model in DDP inside a new torch.cuda.Stream; on CPU the stream "
+        "is the host stand-in and torch.cuda.stream() an empty context.",
+        ("../training/models/dist_utils.py:303",),
+    ),
+    Workaround(
+        "megatron-lm-cuda-rng-state",
+        "Megatron-LM's checkpoints record torch.cuda.get_rng_state() and restore it; on CPU "
+        "there is no CUDA generator (the CPU generator and the tracker states are saved "
+        "beside it): an empty state, and restoring it is a no-op.",
+        ("../training/checkpointing.py:417,2665,2677",),
+    ),
+    Workaround(
+        "megatron-lm-load-torch-adam",
+        "Loading a distributed-optimizer checkpoint into torch's Adam (no TransformerEngine or "
+        "apex on CPU) reads an Adam step torch creates only at the first step, then copies "
+        "into leaves that require grad, and hands every parameter one shared `step` tensor "
+        "(the distributed optimizer's: the pre-load value, not the checkpoint's) that Adam "
+        "increments once per parameter: the state is allocated as that step would, the load "
+        "runs under no_grad, and each parameter gets a step of its own, the loaded iteration.",
+        ("optimizer/distrib_optimizer.py:839,1030,1225",),
+    ),
 )

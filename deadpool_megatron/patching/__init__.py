@@ -1,0 +1,1 @@
+"""deadpool-patch: apply patches/ to an existing Megatron-LM tree, all or nothing."""

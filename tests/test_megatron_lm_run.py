@@ -1,0 +1,155 @@
+"""Megatron-LM's own pretrain() and train() loop, patched, on CPU: TP2 x PP2 x DP2 with the
+distributed optimizer (8 processes, gloo), driven by the upstream-shaped driver.
+
+With --deadpool the patched loop snapshots every iteration to ring buddies without changing
+a bit of the training, and the micro-batch phases reach the fault injector at the right
+point of Megatron's own loop. Megatron's own --save/--load resume the same training.
+
+Dropout is off: with it, the first resumed iteration differs on CPU, where the default
+generator doubles as CUDA's and is presumably drawn from after the checkpoint's RNG state
+is restored (building the data loader's iterator)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import megatron
+from deadpool_megatron.patching.cli import run
+from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
+DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
+# Megatron's own switches for a CPU run (no TransformerEngine, apex or fused kernels).
+CPU_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+             "--no-bias-dropout-fusion", "--no-rope-fusion", "--rerun-mode", "disabled"]
+MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+         "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--distributed-backend", "gloo",
+         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron_lm") / "Megatron-LM"
+    shutil.copytree(Path(megatron.__path__[0]), root / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    # pretrain() runs `make` for the dataset helpers (Megatron-LM's Makefile); the wheel
+    # ships them built and no Makefile, so the tree gets an empty one.
+    (root / "megatron/core/datasets/Makefile").write_text("default:\n\t@true\n")
+    shutil.copy(DRIVER, root / "pretrain_gpt.py")
+    code, msg = run([str(root)])
+    assert code == 0, msg
+    return root
+
+
+def _events(path: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in Path(f"{path}.rank{rank}").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def plain(patched_tree: Path, tmp_path_factory) -> tuple[JobResult, Path]:
+    """The failure-free run, saving Megatron checkpoints at iterations 2 and 4."""
+    out = tmp_path_factory.mktemp("plain")
+    ckpt = out / "ckpt"
+    run = run_job(8, [*MODEL, *CPU_FLAGS, "--save", str(ckpt), "--save-interval", "2"],
+                  out / "logs", timeout_s=400, script=patched_tree / "pretrain_gpt.py", env=ENV)
+    assert run.ok, run.describe()
+    assert sorted(run.losses) == [1, 2, 3, 4] and run.fingerprint, run.describe()
+    return run, ckpt
+
+
+def test_megatrons_load_resumes_bit_for_bit(patched_tree: Path, plain, tmp_path: Path) -> None:
+    run, saved = plain
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = run_job(8, [*MODEL, *CPU_FLAGS, "--load", str(ckpt)], tmp_path / "resumed",
+                      timeout_s=400, script=patched_tree / "pretrain_gpt.py", env=ENV)
+    assert resumed.ok, resumed.describe()
+    # The same training, bit for bit: the state fingerprint the patched loop ends with.
+    # (Of the logged losses only iteration 3's is comparable: Megatron does not reset its
+    # loss sums after a run's first logged iteration, so every run's second line averages
+    # two iterations: 1-2 in a fresh run, 3-4 in this resumed one.)
+    assert resumed.fingerprint == run.fingerprint, resumed.describe()
+    assert resumed.losses[3] == run.losses[3], resumed.describe()
+
+
+def test_with_deadpool_it_snapshots_and_the_phases_fire(patched_tree: Path, plain,
+                                                        tmp_path: Path) -> None:
+    run, _ = plain
+    events = tmp_path / "events"
+    ft = run_job(8, [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-ranks-per-node", "4",
+                     "--deadpool-events", str(events),
+                     "--deadpool-inject", "raise rank=5 iter=4 phase=reduction"],
+                 tmp_path / "deadpool", timeout_s=400, script=patched_tree / "pretrain_gpt.py",
+                 env=ENV)
+    assert not ft.timed_out and ft.returncodes[5] != 0, ft.describe()
+    # Bit-identical training up to the failure: the hooks only read. (Iteration 2's line
+    # averages 1-2 in both runs.)
+    assert ft.losses == {i: run.losses[i] for i in (1, 2, 3)}, ft.describe()
+    for rank in range(8):
+        committed = [e["iteration"] for e in _events(events, rank)
+                     if e["event"] == "snapshot_committed"]
+        assert committed == [0, 1, 2, 3], (rank, committed)
+    fault = [e for e in _events(events, 5) if e["event"] == "fault_injected"]
+    assert [(f["iteration"], f["phase"]) for f in fault] == [(4, "reduction")]
+    assert "InjectedFault: injected fault on rank 5" in ft.logs[5], ft.logs[5][-3000:]
+
+
+def _kill_rank_when(log: Path, text: str, script: Path, rank: int, stop: threading.Event,
+                    killed: list[int]) -> None:
+    """SIGKILL the worker running `script` as `rank` once `text` appears in `log`."""
+    while not stop.wait(0.1):
+        if not log.exists() or text not in log.read_text(errors="replace"):
+            continue
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if str(script) in (proc.info["cmdline"] or []) and \
+                        proc.environ().get("RANK") == str(rank):
+                    proc.kill()
+                    killed.append(proc.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return
+
+
+def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_save(
+        patched_tree: Path, plain, tmp_path: Path) -> None:
+    """Without --deadpool (hot-swap in Megatron's loop is not built), deadpool-launch runs
+    the job as torchrun would: a failure restarts every worker with --load from --save."""
+    run, _ = plain
+    script = patched_tree / "pretrain_gpt.py"
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
+        tmp_path / "launch" / "launcher.log", "saved checkpoint from iteration       2 ", script,
+        5, stop, killed))
+    killer.start()
+    try:
+        job = run_launched(["--nproc-per-node", "8", "--max-restarts", "1"],
+                           [*MODEL, *CPU_FLAGS, "--save", str(tmp_path / "ckpt"),
+                            "--save-interval", "2"],
+                           tmp_path / "launch", timeout_s=700, env=ENV, script=script)
+    finally:
+        stop.set()
+        killer.join(5)
+    assert killed, job.describe()
+    assert job.returncodes == [0], job.describe()
+    assert "restarting all 8 workers with --load" in job.output, job.describe()
+    # The restarted job resumed from Megatron's checkpoint, not from scratch.
+    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
+                     job.output), job.describe()
+    assert re.findall(r"iteration +(\d+)/ +4 \|", job.output).count("1") == 1, job.describe()
+    assert job.fingerprint == run.fingerprint, job.describe()
