@@ -48,6 +48,7 @@ def _forge_heartbeats(log: Path, stop: threading.Event) -> None:
         stop.wait(0.3)
 
 
+@pytest.mark.fault_matrix
 def test_the_first_training_host_lost_as_a_whole_is_recovered(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """Host 0 control-only; host 1 (ranks 0-3, rank 0 included) SIGKILLed with its launcher
@@ -82,6 +83,7 @@ def test_the_first_training_host_lost_as_a_whole_is_recovered(
     assert {e["how"] for e in found if e["event"] == "failure_detected"} == {"host"}
 
 
+@pytest.mark.fault_matrix
 def test_losing_the_control_plane_flushes_and_a_relaunch_resumes(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """The control-only host dies at iteration 4: no declaration can come, so the workers

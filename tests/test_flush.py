@@ -94,6 +94,7 @@ def test_spares_exhausted_restart_from_the_flushed_snapshot(
 
 
 @pytest.mark.multiproc
+@pytest.mark.fault_matrix
 def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """SIGTERM to the launcher and its workers (as a scheduler's time limit sends it) at

@@ -188,6 +188,7 @@ def _forge(log: Path, stop: threading.Event, done: list[str]) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.fault_matrix
 def test_a_process_without_the_token_changes_nothing(tmp_path: Path,
                                                      failure_free_8: JobResult) -> None:
     """A forged declaration, shutdown, end, kill request, exit reports and host heartbeats,

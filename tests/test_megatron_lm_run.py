@@ -71,6 +71,7 @@ def plain(patched_tree: Path, tmp_path_factory) -> tuple[JobResult, Path]:
     return run, ckpt
 
 
+@pytest.mark.fault_matrix
 def test_megatrons_load_resumes_bit_for_bit(patched_tree: Path, plain, tmp_path: Path) -> None:
     run, saved = plain
     ckpt = tmp_path / "ckpt"
@@ -126,6 +127,7 @@ def _kill_rank_when(log: Path, text: str, script: Path, rank: int, stop: threadi
         return
 
 
+@pytest.mark.fault_matrix
 def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_save(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """Without --deadpool (hot-swap in Megatron's loop is not built), deadpool-launch runs

@@ -76,10 +76,13 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
             "--deadpool-verify-restore-at is not available in Megatron-LM's own loop yet (the "
             "rehearsal rebuilds the model with pretrain_scripts/pretrain_gpt.py's builder, "
             "not Megatron's model provider); drop it here.")
+    from deadpool_megatron.integration.device import ProcessDevice
     from deadpool_megatron.training.main import deadpool_hooks
 
-    return deadpool_hooks(train_config(args), ft, world,
-                          cpu_rehearsal=getattr(args, "distributed_backend", "nccl") == "gloo")
+    backend = getattr(args, "distributed_backend", "nccl")
+    # Megatron set the device from LOCAL_RANK already; the snapshot threads take the same.
+    return deadpool_hooks(train_config(args), ft, world, cpu_rehearsal=backend == "gloo",
+                          device=ProcessDevice.choose(backend))
 
 
 class MegatronLoop:
