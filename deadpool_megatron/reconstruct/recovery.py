@@ -105,12 +105,16 @@ class Member:
     start_iteration: int | None = None  # where this job's training began (after --load)
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
     gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
-    sockets_before: frozenset[int] = frozenset()  # older than the generation: never cut
+    # Sockets older than this worker's first generation (other libraries', made at start):
+    # never cut. Every later one is some generation's, and a broken generation's cut takes
+    # them all: a group of an older generation still in use (a reference the rebind
+    # missed) must fail too, not hang on sockets that were never cut.
+    sockets_before: frozenset[int] | None = None
     device: ProcessDevice = CPU  # set in each thread here that may touch CUDA
 
     def cut(self) -> GenerationCut:
         """How this generation is cut loose (its NCCL communicators, its connections)."""
-        return GenerationCut({self.ctl.port}, self.sockets_before,
+        return GenerationCut({self.ctl.port}, self.sockets_before or frozenset(),
                              nccl=self.cfg.distributed_backend == "nccl")
 
     @property
@@ -288,7 +292,8 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     this generation forms cuts its connections (`interrupt`), so nothing waits on a peer
     that died meanwhile."""
     laps = laps or _Laps()
-    member.sockets_before = socket_inodes()  # what is older is not this generation's to cut
+    if member.sockets_before is None:  # the first generation this worker joins
+        member.sockets_before = socket_inodes()
     member.generation = generation  # groups made from here on are this generation's
     member.ctl.watch(generation, lambda newer: interrupt(member))
     if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
@@ -309,7 +314,7 @@ def interrupt(member: Member) -> None:
         member.gen_store.cut()
     # Sockets only: a forming generation's NCCL communicators are not yet used, and the
     # main thread is creating groups meanwhile.
-    GenerationCut({member.ctl.port}, member.sockets_before, nccl=False)()
+    GenerationCut({member.ctl.port}, member.sockets_before or frozenset(), nccl=False)()
 
 
 def rebind(member: Member) -> int:
