@@ -74,6 +74,18 @@ class TrainConfig:
     exit_interval: int | None = field(
         default=None, metadata=flag("Stop (after saving) once the iteration divides by N.")
     )
+    ckpt_fully_parallel_save: bool = field(default=False, metadata=flag(
+        "Spread the writing of data-parallel replicas over the data-parallel ranks "
+        "(megatron-core's fully parallel save) instead of DP rank 0 writing them all."))
+    ckpt_fully_parallel_load: bool = field(default=False, metadata=flag(
+        "Each data-parallel rank reads a part of the replicated state and they exchange it "
+        "(megatron-core's fully parallel load)."))
+    ckpt_assume_constant_structure: bool = field(default=False, metadata=flag(
+        "The checkpoint's structure never changes: reuse the first save's plans and "
+        "metadata (cached save plans) instead of exchanging them at every save."))
+    async_save: bool = field(default=False, metadata=flag(
+        "Megatron-LM's asynchronous save: not supported by this script (the validation "
+        "says why and what to use)."))
     log_interval: int = field(default=1, metadata=flag("Log every N iterations."))
     log_param_changes: bool = field(
         default=False, metadata=flag("At the end, log how many parameter tensors changed.")
@@ -147,6 +159,14 @@ class TrainConfig:
             raise ConfigError(f"--save-interval must be positive, got {self.save_interval}")
         if self.save_interval is not None and not self.save:
             raise ConfigError("--save-interval needs --save DIR to write checkpoints to.")
+        if self.async_save:
+            raise ConfigError(
+                "--async-save is not supported by pretrain_gpt.py: its saves are synchronous "
+                "(megatron-core's asynchronous save hands the write to a forked writer process "
+                "that must be finalized by a collective every iteration). Use "
+                "--ckpt-assume-constant-structure (cached save plans) and "
+                "--ckpt-fully-parallel-save to shorten the blocking save, or --deadpool, whose "
+                "snapshots make frequent durable saves unnecessary.")
         if self.exit_interval is not None and self.exit_interval <= 0:
             raise ConfigError(f"--exit-interval must be positive, got {self.exit_interval}")
 

@@ -29,19 +29,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deadpool_megatron.metrics import vs_checkpoint as vs  # noqa: E402
 from deadpool_megatron.metrics.timeline import Timeline, load_events, timelines  # noqa: E402
-from deadpool_megatron.testing.jobs import run_launched  # noqa: E402
+from deadpool_megatron.testing.jobs import JobResult, run_launched  # noqa: E402
 from deadpool_megatron.testing.megatron_faults import ENV as MEGATRON_FAULT  # noqa: E402
 
 
-def job_args(world: int, ns: argparse.Namespace, events: Path, ckpt: Path | None) -> list[str]:
-    dp = world // 4
-    args = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+def model_args(world: int, iters: int) -> list[str]:
+    """The job: TP2 x PP2 x DP world/4 GPT, 2 layers (one a stage), 4 micro-batches a rank."""
+    return ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-            "--global-batch-size", str(4 * dp), "--train-iters", str(ns.iters),
-            "--seed", "1234", "--deadpool", "--deadpool-events", str(events),
+            "--global-batch-size", str(world), "--train-iters", str(iters), "--seed", "1234"]
+
+
+def job_args(world: int, ns: argparse.Namespace, events: Path, ckpt: Path | None) -> list[str]:
+    args = [*model_args(world, ns.iters), "--deadpool", "--deadpool-events", str(events),
             "--deadpool-replay", ns.replay]
     if ckpt is not None:
         args += ["--save", str(ckpt), "--save-interval", str(ns.save_interval)]
@@ -102,51 +106,117 @@ def run_one(world: int, ns: argparse.Namespace, tmp: Path, name: str,
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--fault", default="kill", choices=sorted(FAULTS),
-                   help="kill: SIGKILL; hang: SIGSTOP (found by progress, 3 s timeout); raise: "
-                        "a CUDA error raised inside Megatron-Core; block: the training thread "
-                        "blocked inside Megatron-Core (3 s timeout)")
-    p.add_argument("--replay", default="local", choices=["local", "spread"])
-    p.add_argument("--save-interval", type=int, default=0,
-                   help="also write durable checkpoints every N iterations (0: none)")
-    p.add_argument("--out", type=Path, default=None)
-    ns = p.parse_args()
-    summary: dict[int, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in ns.ranks:
-            rows = []
-            for rep in range(ns.repeats):
-                free = run_one(world, ns, Path(tmp), f"w{world}r{rep}free", None)
-                hit = run_one(world, ns, Path(tmp), f"w{world}r{rep}kill", ns.fault)
-                if hit["fingerprint"] != free["fingerprint"] and ns.replay == "local":
-                    print(f"{world} ranks: fingerprints differ", file=sys.stderr)
-                    return 1
-                lost = hit["training_s"] - free["training_s"]
-                rows.append({"lost_ms": 1e3 * lost, "iteration_ms": free["iteration_ms"],
-                             "kill_to_done_ms": hit["timeline"].replayed_ms,
-                             "timeline": hit["timeline"], "recomputed": hit["recomputed"],
-                             "whole_iteration": hit["whole_iteration"],
-                             "checkpoint_restart": hit["checkpoint_restart"]})
-                print(f"{world} ranks, pair {rep}: time lost {1e3 * lost:.0f} ms, kill to "
-                      f"done {hit['timeline'].replayed_ms:.0f} ms, iteration "
-                      f"{free['iteration_ms']:.0f} ms; {hit['timeline'].describe()}", flush=True)
-            med = {k: statistics.median(r[k] for r in rows)
-                   for k in ("lost_ms", "iteration_ms", "kill_to_done_ms")}
-            summary[world] = {
-                **med, "max_lost_ms": max(r["lost_ms"] for r in rows),
-                "max_kill_to_done_ms": max(r["kill_to_done_ms"] for r in rows),
-                "lost_iterations": med["lost_ms"] / med["iteration_ms"],
-                "phases_ms": {ph: statistics.median(getattr(r["timeline"], f"{ph}_ms")
-                                                    for r in rows) for ph in Timeline.PHASES},
-                "microbatches": {k: rows[0][k] for k in
-                                 ("recomputed", "whole_iteration", "checkpoint_restart")},
-                "repeats": len(rows)}
+# --vs-checkpoint: the 8-rank job three ways. Checkpoint-restart as Megatron-LM advises:
+# fully parallel save and load, cached save plans, Young/Daly's interval (asynchronous save:
+# see --async-save in pretrain_gpt.py --help for why not here).
+CKPT_BEST = ["--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+             "--ckpt-assume-constant-structure"]
+VS_WORLD, KILLED_RANK = 8, 1  # rank 1: tp=1, pp=0, dp=0 (first stage), as FAULTS strike
+
+
+def launched(name: str, tmp: Path, launch: list[str], args: list[str],
+             env: dict[str, str] | None = None) -> JobResult:
+    job = run_launched(launch, args, tmp / name, timeout_s=600, env=env)
+    if not job.ok or job.fingerprint is None:
+        kept = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{name}-"))
+        shutil.copytree(tmp / name, kept, dirs_exist_ok=True)
+        raise SystemExit(f"{job.describe()}\n{name}: every log kept in {kept}")
+    return job
+
+
+def calibrate(tmp: Path) -> tuple[float, float, float]:
+    """(first save s, steady save s, iteration s) of the checkpointing job, saving at every
+    iteration of a short failure-free run."""
+    job = launched("calibrate", tmp, ["--nproc-per-node", str(VS_WORLD)],
+                   [*model_args(VS_WORLD, 6), "--save", str(tmp / "calibrate" / "ckpt"),
+                    "--save-interval", "1", *CKPT_BEST])
+    saves = vs.save_seconds(job.output)
+    return saves[min(saves)], vs.steady_save_s(saves), vs.iteration_seconds(job.output)
+
+
+def compare(ns: argparse.Namespace, tmp: Path) -> None:
+    """Failure-free, DeadPool and checkpoint-restart side by side on the same job, seed and
+    iterations; prints the table and checks both failure runs' fingerprints."""
+    first_save, save_s, iteration_s = calibrate(tmp)
+    yd = vs.YoungDaly(save_s=save_s, mtbf_s=ns.mtbf, iteration_s=iteration_s)
+    plan = vs.KillPlan.for_interval(yd.interval_iterations, least=ns.iters)
+    print(f"checkpoint save (8 ranks, {' '.join(CKPT_BEST)}): first {first_save:.3f} s, "
+          f"then {save_s:.3f} s; failure-free iteration {iteration_s:.3f} s\n{yd.describe()}"
+          f"\nkill: rank {KILLED_RANK}, first backward of iteration {plan.kill_iteration} of "
+          f"{plan.iterations} (half an interval after the checkpoint of iteration "
+          f"{plan.newest_checkpoint})", flush=True)
+    model = model_args(VS_WORLD, plan.iterations)
+    free = launched("free", tmp, ["--nproc-per-node", str(VS_WORLD)], model)
+    events = tmp / "deadpool" / "events"
+    hot = launched("deadpool", tmp, ["--nproc-per-node", str(VS_WORLD), "--spares", "1",
+                                     "--logical-nodes", "2"],
+                   [*model, "--deadpool", "--deadpool-events", str(events), "--deadpool-inject",
+                    f"kill rank={KILLED_RANK} iter={plan.kill_iteration} phase=backward"])
+    ev = load_events(events)
+    killed_at = min(e["t"] for e in ev if e["event"] == "fault_injected")
+    microbatches = 4  # a rank's, per iteration: global batch = world, micro-batch 1, DP w/4
+    call = vs.backward_call(plan.kill_iteration, layers_per_stage=1, microbatches=microbatches)
+    restart = launched("restart", tmp, ["--nproc-per-node", str(VS_WORLD), "--max-restarts", "1"],
+                       [*model, "--save", str(tmp / "restart" / "ckpt"), "--save-interval",
+                        str(plan.interval), *CKPT_BEST],
+                       env={MEGATRON_FAULT: f"kill rank={KILLED_RANK} at=backward call={call}"})
+    loaded = [int(i) for i in vs.LOADED_LINE.findall(restart.output)]
+    if "restarting all" not in restart.output or not loaded:
+        raise SystemExit(f"the checkpoint-restart run did not restart:\n{restart.describe()}")
+    ways = [
+        vs.Way("failure-free", free.elapsed_s, vs.training_span(free.output, plan.iterations),
+               0, None, free.fingerprint),
+        vs.Way("DeadPool hot swap", hot.elapsed_s, vs.training_span(hot.output, plan.iterations),
+               sum(e["microbatches_recomputed"] for e in ev if e["event"] == "recovered"),
+               vs.iteration_times(hot.output)[plan.kill_iteration] - killed_at, hot.fingerprint),
+        vs.Way("checkpoint-restart", restart.elapsed_s,
+               vs.training_span(restart.output, plan.iterations),
+               vs.restart_recomputed(VS_WORLD, microbatches, plan.kill_iteration, loaded[-1]),
+               vs.iteration_times(restart.output)[plan.kill_iteration] - vs.kill_time(
+                   restart.output), restart.fingerprint)]
+    print(f"\n8 ranks, TP2 x PP2 x DP2, {plan.iterations} iterations, seed 1234; "
+          f"checkpoint-restart resumed from iteration {loaded[-1]} (every {plan.interval})")
+    print(vs.table(ways, "failure-free"))
+    print("time lost, checkpoint-restart / DeadPool: "
+          f"{vs.lost_ratio(ways, 'failure-free', 'checkpoint-restart', 'DeadPool hot swap')}")
+    same = all(w.fingerprint == free.fingerprint for w in ways)
+    print(f"fingerprints of both failure runs equal the failure-free one: "
+          f"{'yes' if same else 'NO'}\n", flush=True)
+    if not same:
+        raise SystemExit(1)
+
+
+def measure_world(world: int, ns: argparse.Namespace, tmp: Path) -> dict:
+    """ns.repeats pairs (failure-free, then the fault) at one world size; their medians."""
+    rows = []
+    for rep in range(ns.repeats):
+        free = run_one(world, ns, tmp, f"w{world}r{rep}free", None)
+        hit = run_one(world, ns, tmp, f"w{world}r{rep}kill", ns.fault)
+        if hit["fingerprint"] != free["fingerprint"] and ns.replay == "local":
+            raise SystemExit(f"{world} ranks: fingerprints differ")
+        lost = hit["training_s"] - free["training_s"]
+        rows.append({"lost_ms": 1e3 * lost, "iteration_ms": free["iteration_ms"],
+                     "kill_to_done_ms": hit["timeline"].replayed_ms,
+                     "timeline": hit["timeline"], "recomputed": hit["recomputed"],
+                     "whole_iteration": hit["whole_iteration"],
+                     "checkpoint_restart": hit["checkpoint_restart"]})
+        print(f"{world} ranks, pair {rep}: time lost {1e3 * lost:.0f} ms, kill to "
+              f"done {hit['timeline'].replayed_ms:.0f} ms, iteration "
+              f"{free['iteration_ms']:.0f} ms; {hit['timeline'].describe()}", flush=True)
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("lost_ms", "iteration_ms", "kill_to_done_ms")}
+    return {
+        **med, "max_lost_ms": max(r["lost_ms"] for r in rows),
+        "max_kill_to_done_ms": max(r["kill_to_done_ms"] for r in rows),
+        "lost_iterations": med["lost_ms"] / med["iteration_ms"],
+        "phases_ms": {ph: statistics.median(getattr(r["timeline"], f"{ph}_ms")
+                                            for r in rows) for ph in Timeline.PHASES},
+        "microbatches": {k: rows[0][k] for k in
+                         ("recomputed", "whole_iteration", "checkpoint_restart")},
+        "repeats": len(rows)}
+
+
+def print_recovery(summary: dict[int, dict]) -> None:
     print("\nranks | time lost ms (median, max) | kill to done ms (median, max) | iteration ms "
           "| lost in iterations | micro-batches recomputed / whole-iteration / ckpt-restart")
     for world, s in summary.items():
@@ -158,6 +228,39 @@ def main() -> int:
     print("\nranks | " + " | ".join(f"{ph} ms" for ph in Timeline.PHASES))
     for world, s in summary.items():
         print(f"{world:5d} | " + " | ".join(f"{s['phases_ms'][ph]:.0f}" for ph in Timeline.PHASES))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--repeats", type=int, default=None,
+                   help="failure-free/failure pairs per world size (default 3; 1 with "
+                        "--vs-checkpoint)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--fault", default="kill", choices=sorted(FAULTS),
+                   help="kill: SIGKILL; hang: SIGSTOP (found by progress, 3 s timeout); raise: "
+                        "a CUDA error raised inside Megatron-Core; block: the training thread "
+                        "blocked inside Megatron-Core (3 s timeout)")
+    p.add_argument("--replay", default="local", choices=["local", "spread"])
+    p.add_argument("--save-interval", type=int, default=0,
+                   help="also write durable checkpoints every N iterations (0: none)")
+    p.add_argument("--vs-checkpoint", action="store_true",
+                   help="the 8-rank job three ways (failure-free, DeadPool, checkpoint-"
+                        "restart), then DeadPool's recovery at --ranks")
+    p.add_argument("--mtbf", type=float, default=60.0,
+                   help="--vs-checkpoint: the job's stated mean time between failures, s")
+    p.add_argument("--out", type=Path, default=None)
+    ns = p.parse_args()
+    if ns.repeats is None:
+        ns.repeats = 1 if ns.vs_checkpoint else 3
+    summary: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if ns.vs_checkpoint:
+            compare(ns, Path(tmp))
+        for world in ns.ranks:
+            summary[world] = measure_world(world, ns, Path(tmp))
+    print_recovery(summary)
     if ns.out:
         ns.out.write_text(json.dumps(summary, indent=2))
     return 0

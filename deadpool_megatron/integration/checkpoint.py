@@ -98,6 +98,51 @@ class Checkpointer:
                  long_operation: Callable[[float], ContextManager] | None = None) -> None:
         self.cfg = cfg
         self.long_operation = long_operation or (lambda budget_s: contextlib.nullcontext())
+        # The save strategy of the current data-parallel group, kept across saves so that
+        # --ckpt-assume-constant-structure can reuse its cached plans (a recovery makes new
+        # groups, and with them a new strategy).
+        self._save_strategy: tuple[Any, Any] | None = None
+
+    def save_strategy(self) -> tuple[Any, bool]:
+        """(strategy, validate): megatron-core's torch_dist strategy as Megatron-LM builds it
+        from the same flags; the sharding is validated at the first save of a strategy, and
+        at every save unless the structure is assumed constant."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy,
+        )
+
+        cfg = self.cfg
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        if self._save_strategy is not None and self._save_strategy[0] is group:
+            return self._save_strategy[1], not cfg.ckpt_assume_constant_structure
+        strategy: Any = TorchDistSaveShardedStrategy(
+            cached_metadata=cfg.ckpt_assume_constant_structure)
+        if cfg.ckpt_fully_parallel_save:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, group, cfg.ckpt_assume_constant_structure)
+        self._save_strategy = (group, strategy)
+        return strategy, True
+
+    def load_strategy(self, path: str) -> Any:
+        """None (megatron-core's default) or, with --ckpt-fully-parallel-load, the default
+        wrapped to spread the reads over the data-parallel group."""
+        if not self.cfg.ckpt_fully_parallel_load:
+            return None
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_load_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        return FullyParallelLoadStrategyWrapper(
+            get_default_load_sharded_strategy(path),
+            ps.get_data_parallel_group(with_context_parallel=True))
 
     def _sharded_state_dict(self, state: LoopState, is_loading: bool) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
@@ -133,7 +178,9 @@ class Checkpointer:
         if torch.distributed.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         torch.distributed.barrier()
+        strategy, validate = self.save_strategy()
         dist_checkpointing.save(self._sharded_state_dict(state, is_loading=False), path,
+                                strategy, validate_access_integrity=validate,
                                 content_metadata=METADATA)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -169,7 +216,8 @@ class Checkpointer:
         path = iteration_dir(root, iteration)
         objs: TrainingObjects = state.objects
         allocate_optimizer_state(objs.optimizer)
-        loaded = dist_checkpointing.load(self._sharded_state_dict(state, is_loading=True), path)
+        loaded = dist_checkpointing.load(self._sharded_state_dict(state, is_loading=True), path,
+                                         self.load_strategy(path))
         with torch.no_grad():  # fp32 main-param shards are views of the model's leaf params
             objs.model[0].module.load_state_dict(loaded["model"])
             objs.optimizer.load_state_dict(loaded["optimizer"])

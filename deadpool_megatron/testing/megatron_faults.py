@@ -7,6 +7,9 @@ that started as that rank (a spare taking the rank later is not affected):
 
     "raise rank=2 at=forward call=13"   RuntimeError("CUDA error: an illegal memory access
                                         was encountered") from TransformerLayer.forward
+    "kill rank=1 at=backward call=65"   SIGKILL of the process (the failure of
+                                        tools/bench_recovery.py --vs-checkpoint's job
+                                        without --deadpool, where no injector runs)
     "block rank=3 at=backward call=5"   the training thread blocks forever (releasing the
                                         GIL, its process otherwise healthy) inside the
                                         backward of Megatron's tensor-parallel linear
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +38,7 @@ CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 @dataclass(frozen=True)
 class MegatronFault:
-    action: str  # raise, block, gil
+    action: str  # raise, kill, block, gil
     rank: int
     at: str  # forward, backward, save
     call: int = 1
@@ -62,9 +66,12 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
         nonlocal calls
         calls += 1
         if calls == fault.call:
-            print(f"test fault: {fault.action} in {fault.at} (call {calls})", flush=True)
+            print(f"test fault: {fault.action} in {fault.at} (call {calls}) at "
+                  f"{time.time():.3f}", flush=True)
             if fault.action == "raise":
                 raise RuntimeError(CUDA_ERROR)
+            if fault.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             if fault.action == "block":
                 threading.Event().wait()  # forever; the GIL is released
             if fault.action == "gil":
