@@ -87,3 +87,17 @@ def test_table_and_ratio() -> None:
     assert vs.lost_ratio(ways, "failure-free", "checkpoint-restart",
                          "DeadPool hot swap") == "10.0x"
     assert vs.ratio(1.0, 0.0).startswith("n/a")
+
+
+def test_async_save_is_refused_saying_what_to_use() -> None:
+    from deadpool_megatron.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match="--ckpt-assume-constant-structure"):
+        TrainConfig(mock_data=True, async_save=True).validate(1)
+
+
+def test_the_kill_test_fault_parses() -> None:
+    from deadpool_megatron.testing.megatron_faults import MegatronFault
+
+    fault = MegatronFault.parse("kill rank=1 at=backward call=65")
+    assert (fault.action, fault.rank, fault.at, fault.call) == ("kill", 1, "backward", 65)

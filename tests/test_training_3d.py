@@ -70,3 +70,18 @@ def test_stop_after_save_and_resume_matches_uninterrupted(runs: dict[str, JobRes
     assert {i: resumed.losses[i] for i in range(11, ITERS + 1)} == {
         i: runs["baseline"].losses[i] for i in range(11, ITERS + 1)
     }
+
+
+def test_best_practice_checkpoints_resume_bit_exact(tmp_path: Path,
+                                                    failure_free_8: JobResult) -> None:
+    """Megatron-LM's recommended save path (fully parallel save and load, cached save
+    plans: the second save reuses the first's) resumes to the uninterrupted result."""
+    ckpt = tmp_path / "ckpt"
+    best = ["--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+            "--ckpt-assume-constant-structure"]
+    stopped = _run(tmp_path, "stopped", ["--save", str(ckpt), "--save-interval", "2",
+                                         "--exit-interval", "4", *best], iters=8)
+    assert "saved checkpoint at iteration 4 " in stopped.output
+    resumed = _run(tmp_path, "resumed", ["--load", str(ckpt), *best], iters=8)
+    assert "loaded checkpoint of iteration 4" in resumed.output
+    assert resumed.fingerprint == failure_free_8.fingerprint

@@ -15,6 +15,19 @@ whole-iteration replay and a checkpoint restart would have recomputed. Process s
 (seconds, and varying) is outside the training time and left out. --fault picks how the
 same rank fails at the same point (a kill, a hang, an exception or a block inside
 Megatron-Core), so failure classes compare side by side.
+
+    .venv/bin/python tools/bench_recovery.py --vs-checkpoint     # under 10 min, 2 cores
+
+first runs the 8-rank job three ways, same seed and iterations: failure-free; DeadPool (rank
+1 killed in iteration k, a warm spare hot-swapped in); checkpoint-restart as Megatron-LM
+advises (durable checkpoints every K iterations, fully parallel save and load, cached save
+plans; the same rank killed at the same point, by a test fault since no injector runs
+without --deadpool; deadpool-launch without --deadpool then relaunches every worker with
+--load, as torchrun with --max-restarts would). K is Young/Daly's sqrt(2 x save cost x MTBF)
+from a calibration run's measured save and iteration times and --mtbf; k falls half an
+interval after the first checkpoint. Time lost is each way's training time (iteration 1
+logged to the last iteration logged, so a relaunch's start-up counts) minus the
+failure-free one's. Then DeadPool's recovery at --ranks, as above (--repeats 1).
 """
 
 from __future__ import annotations
