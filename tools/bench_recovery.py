@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -129,6 +130,9 @@ VS_WORLD, KILLED_RANK = 8, 1  # rank 1: tp=1, pp=0, dp=0 (first stage), as FAULT
 
 def launched(name: str, tmp: Path, launch: list[str], args: list[str],
              env: dict[str, str] | None = None) -> JobResult:
+    shown = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    print(f"{name}: $ {' '.join(shown)} deadpool-launch {shlex.join(launch)} "
+          f"pretrain_scripts/pretrain_gpt.py {shlex.join(args)}", flush=True)
     job = run_launched(launch, args, tmp / name, timeout_s=600, env=env)
     if not job.ok or job.fingerprint is None:
         kept = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{name}-"))
