@@ -75,17 +75,31 @@ def test_restart_recomputes_every_iteration_since_the_checkpoint_on_every_rank()
                                  checkpoint=12) == 8 * 4 * 6
 
 
+def test_overhead_is_slower_iterations_plus_saves() -> None:
+    log = "\n".join([
+        _line(10.0, "iteration        1/       3 | lm loss: 1"),
+        _line(11.5, "iteration        2/       3 | lm loss: 1"),
+        _line(11.75, "saved checkpoint at iteration 2 to /c/iter_0000002", rank=0),
+        _line(13.25, "iteration        3/       3 | lm loss: 1"),
+    ])
+    # Iterations of 1.5 s against 1.0 s failure-free, over the 2 in the training time,
+    # plus the 0.25 s save.
+    assert vs.overhead_s(log, 3, failure_free_iteration_s=1.0) == pytest.approx(1.25)
+
+
 def test_table_and_ratio() -> None:
     ways = [vs.Way("failure-free", 40.0, 10.0, 0, None, "f"),
-            vs.Way("DeadPool hot swap", 45.0, 12.0, 4, 1.5, "f"),
-            vs.Way("checkpoint-restart", 70.0, 30.0, 192, 17.0, "g")]
+            vs.Way("DeadPool hot swap", 45.0, 12.0, 4, 1.5, "f", overhead_s=1.0),
+            vs.Way("checkpoint-restart", 70.0, 30.0, 192, 17.0, "g", overhead_s=0.5)]
     text = vs.table(ways, "failure-free")
     lines = text.splitlines()
     assert len(lines) == 4
-    assert "|   2.00 |" in lines[2] and "= failure-free" in lines[2]
-    assert "|  20.00 |" in lines[3] and "DIFFERS" in lines[3]
+    assert "|   2.00 |       1.00 |      1.00 |" in lines[2] and "= failure-free" in lines[2]
+    assert "|  20.00 |       0.50 |     19.50 |" in lines[3] and "DIFFERS" in lines[3]
     assert vs.lost_ratio(ways, "failure-free", "checkpoint-restart",
                          "DeadPool hot swap") == "10.0x"
+    assert vs.lost_ratio(ways, "failure-free", "checkpoint-restart", "DeadPool hot swap",
+                         failure_only=True) == "19.5x"
     assert vs.ratio(1.0, 0.0).startswith("n/a")
 
 
@@ -101,3 +115,16 @@ def test_the_kill_test_fault_parses() -> None:
 
     fault = MegatronFault.parse("kill rank=1 at=backward call=65")
     assert (fault.action, fault.rank, fault.at, fault.call) == ("kill", 1, "backward", 65)
+
+
+def test_restart_phases_after_the_kill() -> None:
+    log = "\n".join([
+        _line(10.0, "iteration        1/       2 | lm loss: 1"),
+        _line(30.0, "deadpool-launch: epoch 1: 8 workers on 1 host(s)").replace("rank4", "launcher"),
+        _line(40.0, "loaded checkpoint of iteration 0 from /c", rank=0),
+        _line(41.0, "iteration        1/       2 | lm loss: 1"),
+    ])
+    killed = vs._stamp("2026-12-01 03:00:11,000")
+    assert vs.restart_phases(log, killed, 1) == {
+        "relaunched": pytest.approx(19.0), "loaded": pytest.approx(29.0),
+        "redone": pytest.approx(30.0)}

@@ -180,22 +180,33 @@ def compare(ns: argparse.Namespace, tmp: Path) -> None:
     loaded = [int(i) for i in vs.LOADED_LINE.findall(restart.output)]
     if "restarting all" not in restart.output or not loaded:
         raise SystemExit(f"the checkpoint-restart run did not restart:\n{restart.describe()}")
+    free_iteration = vs.iteration_seconds(free.output)
     ways = [
         vs.Way("failure-free", free.elapsed_s, vs.training_span(free.output, plan.iterations),
                0, None, free.fingerprint),
         vs.Way("DeadPool hot swap", hot.elapsed_s, vs.training_span(hot.output, plan.iterations),
                sum(e["microbatches_recomputed"] for e in ev if e["event"] == "recovered"),
-               vs.iteration_times(hot.output)[plan.kill_iteration] - killed_at, hot.fingerprint),
+               vs.iteration_times(hot.output)[plan.kill_iteration] - killed_at, hot.fingerprint,
+               vs.overhead_s(hot.output, plan.iterations, free_iteration)),
         vs.Way("checkpoint-restart", restart.elapsed_s,
                vs.training_span(restart.output, plan.iterations),
                vs.restart_recomputed(VS_WORLD, microbatches, plan.kill_iteration, loaded[-1]),
                vs.iteration_times(restart.output)[plan.kill_iteration] - vs.kill_time(
-                   restart.output), restart.fingerprint)]
+                   restart.output), restart.fingerprint,
+               vs.overhead_s(restart.output, plan.iterations, free_iteration))]
     print(f"\n8 ranks, TP2 x PP2 x DP2, {plan.iterations} iterations, seed 1234; "
           f"checkpoint-restart resumed from iteration {loaded[-1]} (every {plan.interval})")
     print(vs.table(ways, "failure-free"))
-    print("time lost, checkpoint-restart / DeadPool: "
-          f"{vs.lost_ratio(ways, 'failure-free', 'checkpoint-restart', 'DeadPool hot swap')}")
+    phases = vs.restart_phases(restart.output, vs.kill_time(restart.output), plan.kill_iteration)
+    print("checkpoint-restart after the kill: " + ", ".join(
+        f"{k} +{v:.2f} s" for k, v in phases.items()) + f" (iterations {loaded[-1] + 1}.."
+          f"{plan.kill_iteration} again)")
+    names = ("failure-free", "checkpoint-restart", "DeadPool hot swap")
+    print(f"checkpoint-restart / DeadPool: time lost {vs.lost_ratio(ways, *names)}; the "
+          f"failure's own cost {vs.lost_ratio(ways, *names, failure_only=True)}\n(overhead: "
+          f"what the way costs without a failure, from its own log: its median iteration over "
+          f"the failure-free one's (DeadPool's snapshots every iteration) plus its saves' "
+          f"blocking time; failure: lost less overhead)")
     same = all(w.fingerprint == free.fingerprint for w in ways)
     print(f"fingerprints of both failure runs equal the failure-free one: "
           f"{'yes' if same else 'NO'}\n", flush=True)
@@ -268,15 +279,18 @@ def main() -> int:
     p.add_argument("--mtbf", type=float, default=60.0,
                    help="--vs-checkpoint: the job's stated mean time between failures, s")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None,
+                   help="an empty directory to keep every run's logs in (default: removed)")
     ns = p.parse_args()
     if ns.repeats is None:
         ns.repeats = 1 if ns.vs_checkpoint else 3
     summary: dict[int, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = ns.keep or Path(scratch)
         if ns.vs_checkpoint:
-            compare(ns, Path(tmp))
+            compare(ns, tmp)
         for world in ns.ranks:
-            summary[world] = measure_world(world, ns, Path(tmp))
+            summary[world] = measure_world(world, ns, tmp)
     print_recovery(summary)
     if ns.out:
         ns.out.write_text(json.dumps(summary, indent=2))

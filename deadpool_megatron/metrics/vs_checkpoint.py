@@ -117,6 +117,22 @@ def iteration_seconds(log: str) -> float:
     return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
 
 
+STAMPED = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) [^\]]+\] "
+RELAUNCHED_LINE = re.compile(STAMPED + r"deadpool-launch: epoch 1:", re.M)
+LOADED_STAMPED = re.compile(STAMPED + r"loaded checkpoint of iteration", re.M)
+
+
+def restart_phases(log: str, killed_at: float, kill_iteration: int) -> dict[str, float]:
+    """Seconds after the kill at which a whole-job restart had relaunched every worker (the
+    old ones all gone), loaded the checkpoint, and done the failed iteration again."""
+    relaunched, loaded = RELAUNCHED_LINE.search(log), LOADED_STAMPED.findall(log)
+    if relaunched is None or not loaded:
+        raise ValueError("the log shows no relaunch (epoch 1) or no checkpoint loaded")
+    return {"relaunched": _stamp(relaunched.group(1)) - killed_at,
+            "loaded": _stamp(loaded[-1]) - killed_at,
+            "redone": iteration_times(log)[kill_iteration] - killed_at}
+
+
 def kill_time(log: str) -> float:
     """When the test fault killed its rank (the unix time it printed just before)."""
     found = KILL_LINE.findall(log)
@@ -142,6 +158,14 @@ def restart_recomputed(world: int, microbatches: int, kill_iteration: int,
     return world * microbatches * (kill_iteration - checkpoint)
 
 
+def overhead_s(log: str, iterations: int, failure_free_iteration_s: float) -> float:
+    """What the way pays with no failure, estimated from its own log: its median iteration
+    over the failure-free one's for every iteration in the training time (the snapshots),
+    plus the time its saves blocked (the checkpoints)."""
+    extra = iteration_seconds(log) - failure_free_iteration_s
+    return (iterations - 1) * extra + sum(save_seconds(log).values())
+
+
 @dataclass(frozen=True)
 class Way:
     name: str
@@ -150,6 +174,7 @@ class Way:
     recomputed: int  # micro-batches, summed over ranks
     kill_to_done_s: float | None  # the kill to the failed iteration logged again
     fingerprint: str | None
+    overhead_s: float = 0.0  # failure-free cost inside the training time (overhead_s())
 
 
 def ratio(a: float, b: float) -> str:
@@ -157,24 +182,32 @@ def ratio(a: float, b: float) -> str:
 
 
 def table(ways: list[Way], baseline: str) -> str:
-    """Per way: wall time, training time, time lost against the failure-free `baseline`,
+    """Per way: wall time, training time, time lost against the failure-free `baseline`
+    (split into the way's failure-free overhead and the rest, the failure's own cost),
     micro-batches recomputed, kill to the failed iteration done again, fingerprint check."""
     base = next(w for w in ways if w.name == baseline)
-    rows = ["way                  | wall s | training s | lost s | recomputed mb | kill to "
-            "redone s | fingerprint"]
+    rows = ["way                | wall s | training s | lost s | overhead s | failure s "
+            "| recomputed mb | kill to redone s | fingerprint"]
     for w in ways:
-        lost = w.training_s - base.training_s
-        k2d = f"{w.kill_to_done_s:8.2f}" if w.kill_to_done_s is not None else "       -"
+        lost = w.training_s - base.training_s if w is not base else 0.0
+        split = f"{w.overhead_s:10.2f} | {lost - w.overhead_s:9.2f}" if w is not base else \
+            f"{'-':>10s} | {'-':>9s}"
+        k2d = f"{w.kill_to_done_s:16.2f}" if w.kill_to_done_s is not None else f"{'-':>16s}"
         same = "reference" if w is base else (
             "= failure-free" if w.fingerprint == base.fingerprint else "DIFFERS")
-        rows.append(f"{w.name:20s} | {w.wall_s:6.1f} | {w.training_s:10.2f} | "
-                    f"{lost if w is not base else 0.0:6.2f} | {w.recomputed:13d} | {k2d} "
-                    f"        | {same}")
+        rows.append(f"{w.name:18s} | {w.wall_s:6.1f} | {w.training_s:10.2f} | {lost:6.2f} | "
+                    f"{split} | {w.recomputed:13d} | {k2d} | {same}")
     return "\n".join(rows)
 
 
-def lost_ratio(ways: list[Way], baseline: str, numerator: str, denominator: str) -> str:
-    """Time lost by `numerator` over time lost by `denominator`, both against `baseline`."""
+def lost_ratio(ways: list[Way], baseline: str, numerator: str, denominator: str,
+               failure_only: bool = False) -> str:
+    """Time lost by `numerator` over time lost by `denominator`, both against `baseline`;
+    failure_only: each less its failure-free overhead."""
     by = {w.name: w for w in ways}
     base = by[baseline].training_s
-    return ratio(by[numerator].training_s - base, by[denominator].training_s - base)
+
+    def lost(name: str) -> float:
+        return by[name].training_s - base - (by[name].overhead_s if failure_only else 0.0)
+
+    return ratio(lost(numerator), lost(denominator))
