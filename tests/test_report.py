@@ -9,6 +9,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,66 @@ def test_how_each_failure_was_found(detected: dict, label: str) -> None:
     assert report.recoveries[0].detection == label
     row = format_report(report).splitlines()[2]
     assert label in row and "1->s0.0" in row, row
+
+
+def _coordinator(tmp_path: Path, spares: list[str]):
+    """Host 0's coordinator over an in-memory store: 4 ranks, two logical nodes."""
+    import torch.distributed as dist
+
+    from deadpool_megatron.control import keys
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.coordinator import Coordinator
+    from deadpool_megatron.metrics.events import EventLog
+
+    token = "k" * 32
+    signed = SignedStore(dist.HashStore(), token, keys.epoch_prefix(0))
+    cfg = LaunchConfig(nproc_per_node=4, spares=len(spares), failure_window=0.0,
+                       heartbeat_timeout=5)
+    coordinator = Coordinator(cfg, signed, ranks_per_node=2, allow_same_node=False,
+                              events=EventLog(str(tmp_path / "events"), rank=-1))
+    coordinator.open()
+    signed.set(keys.node_spares(0), json.dumps(spares))
+    return coordinator, signed
+
+
+def _launcher_events(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "events.rank-1").read_text().splitlines()]
+
+
+def test_the_launcher_records_how_each_failure_was_found_and_the_spares_left(
+        tmp_path: Path) -> None:
+    """Rank 1 reports its own error and exits: an exception; rank 2 is killed (no report):
+    a process exit. Each declaration says how many spares are left."""
+    from deadpool_megatron.control import keys
+
+    coordinator, signed = _coordinator(tmp_path, ["s0.0", "s0.1"])
+    signed.set(keys.failure_report("w1"), "RuntimeError: boom")
+    for worker, rc in (("w1", "1"), ("w2", "-9")):
+        signed.set(keys.exit_report(worker), rc)
+        signed.add(keys.EXITS, 1)
+        coordinator.tick(time.monotonic())
+        coordinator.tick(time.monotonic())
+    ev = _launcher_events(tmp_path)
+    found = [(e["rank"], e["detection"]) for e in ev if e["event"] == "failure_detected"]
+    assert found == [(1, "exception"), (2, "exit")]
+    declared = [(e["failed_ranks"], e["spares_left"]) for e in ev
+                if e["event"] == "generation_declared"]
+    assert declared == [([1], 1), ([2], 0)]
+
+
+def test_a_lost_host_is_dated_from_its_last_report(tmp_path: Path) -> None:
+    """A host silent for 6 s (heartbeat timeout 5 s): its workers' failure struck when its
+    reports stopped, not when the silence was noticed."""
+    from deadpool_megatron.control import keys
+
+    coordinator, signed = _coordinator(tmp_path, [])
+    signed.set(keys.host_report(0), json.dumps({"seq": 1, "workers": {}}))
+    coordinator.tick(100.0)
+    coordinator.tick(106.0)
+    ev = [e for e in _launcher_events(tmp_path) if e["event"] == "failure_detected"]
+    assert sorted(e["rank"] for e in ev) == [0, 1, 2, 3]
+    assert all(e["detection"] == "host" and e["stalled_s"] == pytest.approx(6.0) for e in ev)
 
 
 def test_table_without_recoveries_and_without_iterations() -> None:

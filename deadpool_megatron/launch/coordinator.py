@@ -209,7 +209,7 @@ class Coordinator:
             if report is not None and report["seq"] != seq:
                 self._host_seq[host] = (report["seq"], now)
             elif now - since > self.cfg.heartbeat_timeout:
-                self._lose_host(host, now)
+                self._lose_host(host, now, silent_s=now - since)
                 continue
             if report is None:
                 continue
@@ -253,13 +253,14 @@ class Coordinator:
             stalled = min(stalled, now - self.declared_at)
         return stalled
 
-    def _lose_host(self, host: int, now: float) -> None:
-        """A host's reports stopped: its launcher and workers are gone (or cut off)."""
+    def _lose_host(self, host: int, now: float, silent_s: float) -> None:
+        """A host's reports stopped: its launcher and workers are gone (or cut off). Its
+        last report is its last sign of life (stalled_s: when the failure struck)."""
         self.lost_hosts.add(host)
         for worker in self.hosts_seen[host]:
             if worker not in self.gone and not self._done(worker):
                 self._kill(worker, "its host stopped reporting")
-                self._lost(worker, now, how="host")
+                self._lost(worker, now, how="host", stalled_s=silent_s)
 
     def _kill(self, worker: str, why: str) -> None:
         """Ask the worker's host to kill it (if that host still lives)."""
