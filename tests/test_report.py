@@ -126,6 +126,21 @@ def test_two_failures_in_one_iteration_share_its_loss() -> None:
     assert [t.spares_left for t in (first.timeline, second.timeline)] == [1, 0]
 
 
+def test_a_failure_before_the_first_iteration_began_is_counted() -> None:
+    """Rank 1 lost while the first generation formed (no iteration begun): the wall time
+    starts at the failure and the first iteration's window holds it."""
+    ev = _recovery(1, failed=1, spare="s0.0", fault_t=T, survivor=0, restored=0, last=1)
+    ev += [{"t": T + 0.5, "rank": r, "event": "step_completed", "iteration": 1,
+            "started": T + 0.4} for r in (0, 1)]
+    ev += _steps([0, 1], range(2, 5), T + 0.5)
+    report = build_report(sorted(ev, key=lambda e: e["t"]))
+    g = report.goodput
+    assert report.start == T and g.wall_s == pytest.approx(0.8)
+    assert (g.undisturbed, g.disturbed) == (3, 1)
+    assert g.goodput == pytest.approx(0.5)
+    assert report.recoveries[0].lost_s == pytest.approx(0.4) == pytest.approx(g.lost_s)
+
+
 def test_an_iteration_rolled_back_is_drawn_redone() -> None:
     """Rank 0 completed iteration 2 before the failure; the recovery restores snapshot 1
     and iteration 2 is done again: the first completion is work thrown away."""

@@ -120,8 +120,9 @@ def build_report(events: list[dict]) -> Report:
     """`events`: load_events(PREFIX), sorted by time."""
     found = timelines(events)
     done = _iteration_done(events)
+    first = min(done, default=None)
     starts = [e["started"] for e in events if e["event"] == "step_completed" and "started" in e
-              and e["iteration"] == min(done)]
+              and e["iteration"] == first]
     if not starts:  # a log written before step_completed carried `started`
         starts = [e["t"] for e in events if e["event"] not in LAUNCHER_EVENTS][:1]
     failures = [t.failed_at for t in found] + [
@@ -130,7 +131,7 @@ def build_report(events: list[dict]) -> Report:
     end = max(done.values()) if done else start
     goodput, lost = _account(done, start, found, failures)
     recoveries = tuple(Recovery(t, lost.get(i, float("nan"))) for i, t in enumerate(found))
-    return Report(recoveries, goodput, _lanes(events, found, done, start, end), start, end)
+    return Report(recoveries, goodput, _lanes(events, found, start, end), start, end)
 
 
 def _iteration_done(events: list[dict]) -> dict[int, float]:
@@ -150,16 +151,21 @@ def _account(done: dict[int, float], start: float, found: list[Timeline],
     iterations = sorted(done)
     bounds = [start] + [done[i] for i in iterations]
     windows = list(zip(bounds, bounds[1:]))
-    disturbed = [any(a < f <= b for f in failures) for a, b in windows]
+
+    def inside(f: float, k: int) -> bool:  # window k = (b_k-1, b_k]; the first holds b_0 too
+        a, b = windows[k]
+        return (a < f or k == 0 and a == f) and f <= b
+
+    disturbed = [any(inside(f, k) for f in failures) for k in range(len(windows))]
     clean = [b - a for (a, b), d in zip(windows, disturbed) if not d]
     c = statistics.median(clean) if clean else float("nan")
     useful = sum(clean) + (c if clean else 0.0) * sum(disturbed)
     lost: dict[int, float] = {}
     elsewhere = 0.0
-    for (a, b), d in zip(windows, disturbed):
+    for k, ((a, b), d) in enumerate(zip(windows, disturbed)):
         if not d:
             continue
-        mine = sorted((t.failed_at, i) for i, t in enumerate(found) if a < t.failed_at <= b)
+        mine = sorted((t.failed_at, i) for i, t in enumerate(found) if inside(t.failed_at, k))
         if not mine:
             elsewhere += b - a - c
             continue
@@ -172,7 +178,7 @@ def _account(done: dict[int, float], start: float, found: list[Timeline],
                    len(clean), sum(disturbed), elsewhere), lost
 
 
-def _lanes(events: list[dict], found: list[Timeline], done: dict[int, float], start: float,
+def _lanes(events: list[dict], found: list[Timeline], start: float,
            end: float) -> tuple[Lane, ...]:
     """Each worker's segments; every span ends at the event that closes it."""
     declared = {e["generation"]: e["t"] for e in events if e["event"] == "generation_declared"}
