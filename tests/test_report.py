@@ -75,7 +75,8 @@ def test_phases_goodput_and_time_lost_by_hand() -> None:
     # Phase ends after the failure: the last rank's abort, leave, groups formed (recovered
     # minus its restore time: 520 - 220 + 150 ms), restore, replay.
     assert [round(ms) for _, ms in t.rows()] == [20, 50, 60, 70, 200, 270, 350]
-    assert (t.failed_iteration, t.replaced, t.spares_left, t.recomputed) == (3, ((1, "s0.0"),), 1, 4)
+    assert (t.failed_iteration, t.replaced, t.spares_left, t.recomputed) == \
+        (3, ((1, "s0.0"),), 1, 4)
     g = report.goodput
     # Windows 100, 100, 400 (the failure), 100, 100 ms: undisturbed 100 ms; useful 4 x 100 +
     # 100 for the disturbed iteration, of 800 ms.
