@@ -313,7 +313,8 @@ def test_console_script_and_tool_run_the_same_main() -> None:
 
 # -- a real job ------------------------------------------------------------------------------
 # The smallest job with a hot swap: DP2 (one rank per logical node, each the other's buddy),
-# one spare, rank 1 killed in the backward of iteration 3 of 5.
+# one spare, rank 1 killed in the backward of iteration 3 of 5, once snapshot 2 committed
+# (else, on a loaded machine, iteration 2 is replayed too).
 DP2 = [a for a in GPT_3D_ARGS if a != "--use-distributed-optimizer"]
 DP2[DP2.index("--tensor-model-parallel-size") + 1] = "1"
 DP2[DP2.index("--pipeline-model-parallel-size") + 1] = "1"
@@ -360,7 +361,7 @@ def test_report_of_a_real_job(tmp_path: Path) -> None:
     run = run_launched(
         ["--nproc-per-node", "2", "--spares", "1", "--logical-nodes", "2"],
         [*DP2, "--train-iters", "5", "--deadpool", "--deadpool-events", str(events),
-         "--deadpool-inject", "kill rank=1 iter=3 phase=backward"],
+         "--deadpool-inject", "kill rank=1 iter=3 phase=backward wait=commit"],
         tmp_path, timeout_s=240, env={"DEADPOOL_CONTROL_TIMEOUT_S": "90"})
     assert run.ok, run.describe()
     png = tmp_path / "timeline.png"
