@@ -14,9 +14,12 @@ setup(
         # PyPI package named apex is unrelated): build NVIDIA apex from source, see README.
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest"],
+        # deadpool-report --png (the table needs nothing more).
+        "report": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": [
         "deadpool-launch=deadpool_megatron.launch.launcher:main",
         "deadpool-patch=deadpool_megatron.patching.cli:main",
+        "deadpool-report=deadpool_megatron.metrics.cli:main",
     ]},
 )

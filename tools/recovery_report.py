@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Print the recovery timeline(s) of a run from its events (--deadpool-events PREFIX).
+"""deadpool-report without installing the package: the recovery table, goodput and time lost
+of a run from its events (--deadpool-events PREFIX), and with --png its timeline.
 
-    .venv/bin/python tools/recovery_report.py runs/rehearsal/events
+    .venv/bin/python tools/recovery_report.py runs/rehearsal/events --png timeline.png
 """
 
 import sys
@@ -9,20 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deadpool_megatron.metrics.timeline import load_events, timelines  # noqa: E402
-
-
-def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    found = timelines(load_events(sys.argv[1]))
-    if not found:
-        print("no recovery in these events")
-    for t in found:
-        print(t.describe())
-    return 0
-
+from deadpool_megatron.metrics.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

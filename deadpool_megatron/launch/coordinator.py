@@ -174,9 +174,13 @@ class Coordinator:
                                                                    SCAN_GATHER_S)
         self.declare_at = max(self.declare_at if self.failed else 0.0, now + gather)
         self.failed.add(worker)
-        reason = self._reported(worker) or detail
+        reported = self._reported(worker)
+        reason = reported or detail
+        # How it was found, for the reports: an exit after the rank's own error report is
+        # that error ("exception"); otherwise the exit, the hang analysis or the host's silence.
+        detection = "exception" if how == "exit" and reported else how
         self.events.emit("failure_detected", worker=worker, rank=rank, returncode=returncode,
-                         how=how, reason=reason, stalled_s=stalled_s)
+                         how=how, reason=reason, stalled_s=stalled_s, detection=detection)
         log.warning("deadpool-launch: rank %d (worker %s on host %d) %s%s", rank, worker,
                     self.cfg.host_of(worker),
                     {"exit": f"exited with {returncode}", "hang": "is hung",
@@ -205,7 +209,7 @@ class Coordinator:
             if report is not None and report["seq"] != seq:
                 self._host_seq[host] = (report["seq"], now)
             elif now - since > self.cfg.heartbeat_timeout:
-                self._lose_host(host, now)
+                self._lose_host(host, now, silent_s=now - since)
                 continue
             if report is None:
                 continue
@@ -249,13 +253,14 @@ class Coordinator:
             stalled = min(stalled, now - self.declared_at)
         return stalled
 
-    def _lose_host(self, host: int, now: float) -> None:
-        """A host's reports stopped: its launcher and workers are gone (or cut off)."""
+    def _lose_host(self, host: int, now: float, silent_s: float) -> None:
+        """A host's reports stopped: its launcher and workers are gone (or cut off). Its
+        last report is its last sign of life (stalled_s: when the failure struck)."""
         self.lost_hosts.add(host)
         for worker in self.hosts_seen[host]:
             if worker not in self.gone and not self._done(worker):
                 self._kill(worker, "its host stopped reporting")
-                self._lost(worker, now, how="host")
+                self._lost(worker, now, how="host", stalled_s=silent_s)
 
     def _kill(self, worker: str, why: str) -> None:
         """Ask the worker's host to kill it (if that host still lives)."""
@@ -282,14 +287,15 @@ class Coordinator:
         self.store.set(keys.replaced(plan.generation), json.dumps(plan.replaced))
         self.store.set(keys.members(plan.generation), json.dumps(plan.rank_to_worker))
         self.store.set(keys.GENERATION, str(plan.generation))
+        self.spares = [s for s in self.spares if s not in plan.replaced.values()]
         self.events.emit("generation_declared", generation=plan.generation,
                          failed_ranks=sorted(failed_ranks),
-                         replaced={str(k): v for k, v in plan.replaced.items()})
+                         replaced={str(k): v for k, v in plan.replaced.items()},
+                         spares_left=len(self.spares))
         log.warning("deadpool-launch: generation %d: ranks %s failed; spares %s take their "
                     "places", plan.generation, sorted(failed_ranks), plan.replaced)
         self.generation, self.current = plan.generation, plan.rank_to_worker
         self.declared_at = time.monotonic()
-        self.spares = [s for s in self.spares if s not in plan.replaced.values()]
         self.failed.clear()
 
     # -- flush (the epoch ends; launch/launcher.py waits for the workers' reports) -----------

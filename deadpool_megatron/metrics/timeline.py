@@ -36,6 +36,15 @@ class Timeline:
     recomputed: int = 0
     whole_iteration: int = 0
     checkpoint_restart: int = 0
+    # For the reports (metrics/report.py): when the failure struck (unix time), the
+    # iteration it interrupted, how each failed rank was found ("exit", "exception", "hang",
+    # "host"), which spare took which rank, and the spares left after the declaration (None
+    # in logs written before the launcher recorded it).
+    failed_at: float = float("nan")
+    failed_iteration: int | None = None
+    detection: tuple[str, ...] = ()
+    replaced: tuple[tuple[int, str], ...] = ()
+    spares_left: int | None = None
 
     PHASES = ("detected", "declared", "aborted", "left", "rebuilt", "restored", "replayed")
 
@@ -48,6 +57,15 @@ class Timeline:
                 f" replaced): {parts}; micro-batches recomputed {self.recomputed} (whole-"
                 f"iteration replay: {self.whole_iteration}, checkpoint restart: "
                 f"{self.checkpoint_restart})")
+
+
+def detection_kind(detected: dict) -> str:
+    """How a `failure_detected` event's failure was found. Logs written before the launcher
+    recorded it: an exit with the rank's own report of its error is that error."""
+    if "detection" in detected:
+        return str(detected["detection"])
+    how = str(detected.get("how", "exit"))
+    return "exception" if how == "exit" and detected.get("reason") else how
 
 
 def timelines(events: list[dict]) -> list[Timeline]:
@@ -94,5 +112,9 @@ def timelines(events: list[dict]) -> list[Timeline]:
             recomputed=sum(e.get("microbatches_recomputed", 0) for e in recovered),
             whole_iteration=sum(e.get("whole_iteration_replay", 0) for e in recovered),
             checkpoint_restart=sum(e.get("checkpoint_restart", 0) for e in recovered),
+            failed_at=t0, failed_iteration=failed_iteration,
+            detection=tuple(detection_kind(e) for e in detected),
+            replaced=tuple(sorted((int(r), w) for r, w in decl.get("replaced", {}).items())),
+            spares_left=decl.get("spares_left"),
         ))
     return out

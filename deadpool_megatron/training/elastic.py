@@ -132,9 +132,14 @@ class _IterationEvents(TrainingHooks):
     def __init__(self, member: Member, last_replayed: int | None) -> None:
         self.member, self.last = member, last_replayed
         self.computed_before = member.ledger.computed
+        self.started = time.time()
+
+    def on_iteration_start(self, state: LoopState) -> None:
+        self.started = time.time()  # the iteration's span on this rank (metrics/report.py)
 
     def after_iteration(self, state: LoopState) -> None:
-        self.member.events.emit("step_completed", iteration=state.iteration)
+        self.member.events.emit("step_completed", iteration=state.iteration,
+                                started=self.started)
         if state.iteration == self.last:
             self.member.events.emit(
                 "replay_done", iteration=state.iteration,
