@@ -4,8 +4,9 @@ Snapshot k is the state after iteration k's optimizer step. Its timeline:
   main thread, after_iteration(k): capture the small objects, hand k to the worker;
   worker: copy the shard into a host slot (overlaps iteration k+1's forward/backward);
   main thread, before_optimizer_step(k+1): wait for that local copy only;
-  worker: CRC, send to the buddy while receiving the ward's copy, verify, then an
-  all-reduce(MIN) over the snapshot group commits k everywhere or nowhere.
+  worker: send to the buddy while receiving the ward's copy (its CRC32C computed chunk by
+  chunk as it arrives; the own copy's as it is copied), then an all-reduce(MIN) over the
+  snapshot group commits k everywhere or nowhere.
 The worker handles one snapshot at a time; the next local copy starts when the previous one
 is committed or abandoned, so a slot being sent is never overwritten. The state the job
 starts from (iteration 0, or the checkpoint it loaded) is snapshotted and committed before
@@ -37,8 +38,9 @@ from deadpool_megatron.integration.optimizer_state import allocate_optimizer_sta
 from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum
-from deadpool_megatron.snapshot.manifest import Manifest, build_manifest, copy_into
+from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum, crc_update
+from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
+                                                 copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import TornTransfer, exchange
 from deadpool_megatron.topology import buddy_of, ward_of
@@ -85,8 +87,11 @@ class SnapshotStats:
     committed: int = 0
     bytes_copied: int = 0
     bytes_sent: int = 0
-    copy_s: float = 0.0
-    transfer_s: float = 0.0
+    copy_s: float = 0.0  # host copy of the own shard, its checksum included
+    checksum_s: float = 0.0  # of which computing the own shard's checksum
+    transfer_s: float = 0.0  # exchange with buddy and ward, the received checksum included
+    verify_s: float = 0.0  # of which checksumming the ward's copy as it arrived
+    commit_s: float = 0.0  # agreeing on the commit
     main_wait_s: float = 0.0  # time the training thread spent waiting on the engine
 
 
@@ -259,14 +264,16 @@ class SnapshotEngine(TrainingHooks):
         self.stop()
         s = self.stats
         if self.rank == 0:
+            n = max(s.snapshots, 1)
             log.info("deadpool snapshots: %d taken, %d committed (latest: %s); per snapshot "
                      "%.2f MB copied in %.1f ms, %.2f MB sent in %.1f ms (background); "
-                     "training thread waited %.1f ms in all",
+                     "stages per snapshot: checksum of the copy %.1f ms, of the received "
+                     "copy %.1f ms, commit %.1f ms; training thread waited %.1f ms in all",
                      s.snapshots, s.committed, self.committed_iteration,
-                     s.bytes_copied / max(s.snapshots, 1) / MB,
-                     1e3 * s.copy_s / max(s.snapshots, 1),
-                     s.bytes_sent / max(s.snapshots, 1) / MB,
-                     1e3 * s.transfer_s / max(s.snapshots, 1), 1e3 * s.main_wait_s)
+                     s.bytes_copied / n / MB, 1e3 * s.copy_s / n,
+                     s.bytes_sent / n / MB, 1e3 * s.transfer_s / n,
+                     1e3 * s.checksum_s / n, 1e3 * s.verify_s / n, 1e3 * s.commit_s / n,
+                     1e3 * s.main_wait_s)
 
     def drain(self) -> None:
         """Wait until the snapshot in flight is committed or abandoned."""
@@ -333,24 +340,33 @@ class SnapshotEngine(TrainingHooks):
                 return
             pipe.idle.set()
 
-    def _copy(self, job: _Job, slot: Slot) -> None:
+    def _copy(self, job: _Job, slot: Slot) -> int:
+        """Fill `slot` with the shard; returns the checksum of its bytes (computed while
+        copying on the host, in one pass after the side-stream copy on a GPU)."""
         t0 = time.perf_counter()
         if self._cuda:
             with torch.cuda.stream(self._side_stream):
                 self._side_stream.wait_event(job.ready)
                 copy_into(self.manifest, slot.flat, non_blocking=True)
             self._side_stream.synchronize()
+            t1 = time.perf_counter()
+            crc = checksum(slot.flat, job.objects)
+            crc_s = time.perf_counter() - t1
         else:
-            copy_into(self.manifest, slot.flat)
+            crc, crc_s = copy_and_checksum(self.manifest, slot.flat)
+            t1 = time.perf_counter()
+            crc = crc_update(crc, job.objects)
+            crc_s += time.perf_counter() - t1
         self.stats.copy_s += time.perf_counter() - t0
+        self.stats.checksum_s += crc_s
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
+        return crc
 
     def _snapshot(self, job: _Job, group: Any) -> None:
         own = self.own.begin_write()
-        self._copy(job, own)
+        crc = self._copy(job, own)
         job.copied.set()
-        own.objects, own.iteration = job.objects, job.iteration
-        own.crc = checksum(own.flat, own.objects)
+        own.seal(job.iteration, job.objects, crc)
         self.stats.snapshots += 1
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)
@@ -361,8 +377,9 @@ class SnapshotEngine(TrainingHooks):
         t0 = time.perf_counter()
         ok = True
         try:
-            exchange(group, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
-                     after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
+            self.stats.verify_s += exchange(
+                group, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
+                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
         except TornTransfer as err:
             ok = False
             self._report_torn(job.iteration, err)
@@ -371,8 +388,10 @@ class SnapshotEngine(TrainingHooks):
                 own.flat[0] ^= 0xFF
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() + len(own.objects)
+        t0 = time.perf_counter()
         verdict = torch.tensor([job.iteration if ok else -1], dtype=torch.int64)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        self.stats.commit_s += time.perf_counter() - t0
         if int(verdict) == job.iteration:
             self.own.commit(job.iteration)
             self.ward_buffer.commit(job.iteration)
@@ -389,7 +408,7 @@ class SnapshotEngine(TrainingHooks):
 
     def _report_torn(self, iteration: int, err: Exception) -> None:
         prior = self.ward_buffer.committed_slot()
-        intact = prior is not None and prior.verify()
+        intact = prior is not None and prior.check()
         self.events.emit("snapshot_torn", iteration=iteration, ward=self.ward,
                          error=str(err), committed=self.committed_iteration,
                          committed_intact=intact, committed_crc=prior.crc if prior else None)
