@@ -1,8 +1,11 @@
-"""Double-buffered ("ping-pong") host snapshots with an explicit committed slot.
+"""Multi-buffered host snapshots with an explicit committed slot.
 
-A write always goes to the slot that does not hold the committed snapshot, so the committed
-copy stays intact however many later snapshots are torn or corrupted. A snapshot is named by
-the iteration whose end state it holds.
+A write always goes to a slot that does not hold the committed snapshot (the one holding the
+oldest snapshot, or nothing), so the committed copy stays intact however many later
+snapshots are torn or corrupted. A snapshot is named by the iteration whose end state it
+holds. A ward's copies need two slots; a rank's own shard three, since commits are pairwise
+(engine.py): a rank may be one snapshot ahead of another pair's commit, and must still hold
+the snapshot that pair committed last.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class Slot:
 
 @dataclass
 class DoubleBuffer:
-    """Two slots; `committed` indexes the slot of the latest committed snapshot."""
+    """Two or more slots; `committed` indexes the slot of the latest committed snapshot."""
 
     slots: list[Slot]
     pin: bool = False  # every slot, renewed ones too, in pinned memory
@@ -76,13 +79,14 @@ class DoubleBuffer:
     _writing: int | None = field(default=None, repr=False)
 
     @classmethod
-    def allocate(cls, nbytes: int, pin: bool = False) -> "DoubleBuffer":
-        return cls(slots=[Slot(host_tensor(nbytes, pin)), Slot(host_tensor(nbytes, pin))],
-                   pin=pin)
+    def allocate(cls, nbytes: int, pin: bool = False, count: int = 2) -> "DoubleBuffer":
+        if count < 2:
+            raise ValueError(f"a snapshot buffer needs at least 2 slots, not {count}")
+        return cls(slots=[Slot(host_tensor(nbytes, pin)) for _ in range(count)], pin=pin)
 
     def renewed(self, nbytes: int) -> "DoubleBuffer":
         """Empty slots of another size (the shard's layout changed), pinned as these are."""
-        return DoubleBuffer.allocate(nbytes, self.pin)
+        return DoubleBuffer.allocate(nbytes, self.pin, len(self.slots))
 
     def loose_slot(self) -> Slot:
         """A slot outside the pair (a copy fetched for a rehearsal), pinned as these are."""
@@ -97,8 +101,10 @@ class DoubleBuffer:
         return sum(s.flat.numel() for s in self.slots)
 
     def begin_write(self) -> Slot:
-        """The slot to fill next: never the committed one. Invalidates its old content."""
-        index = 0 if self.committed is None else 1 - self.committed
+        """The slot to fill next: never the committed one; an empty one, else the one holding
+        the oldest snapshot. Invalidates its old content."""
+        free = [i for i in range(len(self.slots)) if i != self.committed]
+        index = min(free, key=lambda i: (self.slots[i].check(), self.slots[i].iteration))
         self._writing = index
         slot = self.slots[index]
         slot.iteration, slot.verified = -1, False

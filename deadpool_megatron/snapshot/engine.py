@@ -5,8 +5,14 @@ Snapshot k is the state after iteration k's optimizer step. Its timeline:
   worker: copy the shard into a host slot (overlaps iteration k+1's forward/backward);
   main thread, before_optimizer_step(k+1): wait for that local copy only;
   worker: send to the buddy while receiving the ward's copy (its CRC32C computed chunk by
-  chunk as it arrives; the own copy's as it is copied), then an all-reduce(MIN) over the
-  snapshot group commits k everywhere or nowhere.
+  chunk as it arrives; the own copy's as it is copied), then a pairwise commit: each rank
+  tells its ward whether the ward's copy verified and hears the same from its buddy. The
+  ward's copy is committed once verified, the own shard once the buddy acknowledged it.
+No job-wide barrier: a rank waits only on its buddy and ward. A pair can then commit k
+while another pair still transfers k - interval, but never further apart (that pair's
+training thread waits for its commit before its next iteration, so no rank gets past the
+next snapshot); three own slots keep the snapshot the slowest pair committed, and the
+recovery (replay/plan.py) picks the newest snapshot every rank holds.
 The worker handles one snapshot at a time; the next local copy starts when the previous one
 is committed or abandoned, so a slot being sent is never overwritten. The state the job
 starts from (iteration 0, or the checkpoint it loaded) is snapshotted and committed before
@@ -42,12 +48,13 @@ from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum, crc
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
                                                  copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
-from deadpool_megatron.snapshot.transport import TornTransfer, exchange
+from deadpool_megatron.snapshot.transport import TornTransfer, acknowledge, exchange
 from deadpool_megatron.topology import buddy_of, ward_of
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
 SNAPSHOT_GROUP = "DEADPOOL_SNAPSHOT_GROUP"
+OWN_SLOTS = 3  # pairwise commits: see the module docstring
 
 
 class SnapshotError(RuntimeError):
@@ -178,15 +185,15 @@ class SnapshotEngine(TrainingHooks):
         self.objects = objs
         self.manifest = build_manifest(objs.model, objs.optimizer,
                                        self.cfg.use_distributed_optimizer)
-        self.own = self._sized(self.own, self.manifest.nbytes)
+        self.own = self._sized(self.own, self.manifest.nbytes, OWN_SLOTS)
 
     def ensure_ward_buffer(self, nbytes: int) -> None:
         self.ward_buffer = self._sized(self.ward_buffer, nbytes)
 
-    def _sized(self, buffer: DoubleBuffer | None, nbytes: int) -> DoubleBuffer:
+    def _sized(self, buffer: DoubleBuffer | None, nbytes: int, count: int = 2) -> DoubleBuffer:
         """`buffer` if it has the size, else new slots, pinned on a GPU machine."""
         if buffer is None:
-            return DoubleBuffer.allocate(nbytes, pin=self._cuda)
+            return DoubleBuffer.allocate(nbytes, pin=self._cuda, count=count)
         return buffer if buffer.slots[0].flat.numel() == nbytes else buffer.renewed(nbytes)
 
     def on_train_start(self, state: LoopState) -> None:
@@ -197,6 +204,10 @@ class SnapshotEngine(TrainingHooks):
         if self.committed_iteration != state.iteration:
             self.after_iteration(state, force=True)
             self.drain()
+            # The one job-wide wait: nobody trains on before every pair has settled the
+            # starting snapshot, so a pair that fails it leaves every rank at the start
+            # (rebuilt as at the start, replay/plan.py) rather than some past it.
+            dist.barrier(group=self.group)
 
     def _start(self) -> None:
         """The first snapshot of a generation: size the ward buffer, start the worker."""
@@ -211,10 +222,11 @@ class SnapshotEngine(TrainingHooks):
             log.info(
                 "deadpool snapshots: every %d iteration(s); rank %d -> buddy %d; %.2f MB per "
                 "snapshot (%.2f MB of it replicated on data-parallel peers); host memory held "
-                "%.2f MB (own 2 x %.2f, ward 2 x %.2f)",
+                "%.2f MB (own %d x %.2f, ward 2 x %.2f)",
                 self.ft.deadpool_snapshot_interval, self.rank, self.buddy,
                 self.manifest.nbytes / MB, self.manifest.dp_replicated_bytes / MB,
-                self.host_bytes / MB, self.manifest.nbytes / MB, sizes[self.ward] / MB)
+                self.host_bytes / MB, len(self.own.slots), self.manifest.nbytes / MB,
+                sizes[self.ward] / MB)
             self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
                              shard_bytes=self.manifest.nbytes, ward_bytes=sizes[self.ward],
                              dp_replicated_bytes=self.manifest.dp_replicated_bytes,
@@ -388,22 +400,29 @@ class SnapshotEngine(TrainingHooks):
                 own.flat[0] ^= 0xFF
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() + len(own.objects)
+        received = incoming.iteration == job.iteration and incoming.verified
         t0 = time.perf_counter()
-        verdict = torch.tensor([job.iteration if ok else -1], dtype=torch.int64)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        acked = acknowledge(group, job.iteration if received else -1, self.ward,
+                            self.buddy) == job.iteration
         self.stats.commit_s += time.perf_counter() - t0
-        if int(verdict) == job.iteration:
-            self.own.commit(job.iteration)
+        # Pairwise: the ward's copy is committed here once it verified; the own shard once
+        # the buddy says its copy verified. No rank waits on any other pair.
+        if received:
             self.ward_buffer.commit(job.iteration)
+        if acked:
+            self.own.commit(job.iteration)
             self.committed_iteration = job.iteration
+        if received and acked:
             self.stats.committed += 1
             self.events.emit("snapshot_committed", iteration=job.iteration,
                              bytes=own.flat.numel(), crc=own.crc, ward_crc=incoming.crc)
         else:
             self.events.emit("snapshot_not_committed", iteration=job.iteration,
-                             committed=self.committed_iteration)
-            log.warning("rank %d: snapshot %d not committed (a copy failed to verify); "
-                        "snapshot %s stays committed", self.rank, job.iteration,
+                             own=acked, ward=received, committed=self.committed_iteration)
+            log.warning("rank %d: snapshot %d not committed (%s); snapshot %s stays "
+                        "committed", self.rank, job.iteration,
+                        "the buddy's copy of it did not verify" if not acked
+                        else f"the copy from ward {self.ward} did not verify",
                         self.committed_iteration)
 
     def _report_torn(self, iteration: int, err: Exception) -> None:

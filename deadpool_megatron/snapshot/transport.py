@@ -120,3 +120,26 @@ def exchange(group: Any, outgoing: Slot | None, buddy: int, incoming: Slot | Non
                                f"from ward {ward}")
         incoming.seal(header.iteration, objects, header.crc)
     return crc_s
+
+
+def acknowledge(group: Any, verdict: int, ward: int, buddy: int) -> int:
+    """Tell the ward which of its snapshots verified here (`verdict`, -1: none) and hear the
+    buddy's verdict on ours; -1 if the buddy's cannot be had (a peer gone). The send and
+    the receive fail apart: a dead ward does not keep the buddy's verdict from arriving."""
+    out = torch.tensor([verdict], dtype=torch.int64)
+    back = torch.tensor([-1], dtype=torch.int64)
+    try:
+        recv = dist.irecv(back, src=buddy, group=group)
+    except RuntimeError:
+        recv = None
+    try:
+        dist.isend(out, dst=ward, group=group).wait()
+    except RuntimeError:
+        pass  # the ward is gone: it will never commit this snapshot, nothing to undo here
+    try:
+        if recv is None:
+            return -1
+        recv.wait()
+    except RuntimeError:
+        return -1
+    return int(back)
