@@ -19,7 +19,7 @@ starts from (iteration 0, or the checkpoint it loaded) is snapshotted and commit
 the first iteration, so a failure in iteration 1 finds it.
 
 Host buffers live as long as the process: they are what a recovery restores from. Each
-membership generation has its own snapshot process group and worker (`connect`, `leave`).
+membership generation has its own pair groups and worker (`connect`, `leave`).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
-from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum, crc_update
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
                                                  copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
-from deadpool_megatron.snapshot.transport import TornTransfer, acknowledge, exchange
+from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
+                                                  exchange_int)
 from deadpool_megatron.topology import buddy_of, ward_of
 
 log = logging.getLogger("deadpool_megatron.snapshot")
@@ -71,10 +71,12 @@ class _Job:
 
 @dataclass
 class _Pipeline:
-    """One generation's worker and its group. After a failure the worker is stopped (its
-    group's connections are cut) before the next generation reuses the host buffers."""
+    """One generation's worker and its links: a two-rank gloo group with the buddy and one
+    with the ward (one if they are the same rank), by peer rank. After a failure the worker
+    is stopped (its groups' connections are cut) before the next generation reuses the host
+    buffers."""
 
-    group: Any
+    links: dict[int, Any]
     queue: "queue.Queue[_Job | None]" = field(default_factory=queue.Queue)
     idle: threading.Event = field(default_factory=threading.Event)
     job: _Job | None = None
@@ -136,20 +138,29 @@ class SnapshotEngine(TrainingHooks):
 
     # -- membership ------------------------------------------------------------------------
     def connect(self) -> None:
-        """Join the current generation: its buddy ring and a snapshot group of its own
-        (snapshot traffic never queues behind, or blocks, training's). Collective."""
+        """Join the current generation: its buddy ring, and a gloo group with the buddy and
+        one with the ward, of this rank's snapshots only (snapshot traffic never queues
+        behind, or blocks, training's). No world-sized group: a world-sized gloo group is a
+        full mesh, N^2 connections at every start and recovery; these are two per rank.
+        Only the members of a pair create it; every rank creates its pairs in one global
+        order (by their ranks), so no cycle of ranks waits on each other around the ring."""
         self.rank, world = dist.get_rank(), dist.get_world_size()
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
-        self.pipe = _Pipeline(group=dist.new_group(backend="gloo", timeout=self.timeout,
-                                                   group_desc=SNAPSHOT_GROUP))
+        links: dict[int, Any] = {}
+        for pair in sorted({tuple(sorted((self.rank, peer))) for peer in (self.ward, self.buddy)}):
+            group = dist.new_group(ranks=list(pair), backend="gloo", timeout=self.timeout,
+                                   group_desc=SNAPSHOT_GROUP, use_local_synchronization=True)
+            links.update({peer: group for peer in pair if peer != self.rank})
+        self.pipe = _Pipeline(links=links)
 
     @property
-    def group(self) -> Any:
+    def links(self) -> dict[int, Any]:
+        """Peer rank -> the two-rank group to reach it (buddy and ward)."""
         assert self.pipe is not None, "no snapshot generation is open"
-        return self.pipe.group
+        return self.pipe.links
 
     def leave(self) -> _Pipeline | None:
         """Abandon the current generation's pipeline and wake a training thread waiting on
@@ -204,15 +215,17 @@ class SnapshotEngine(TrainingHooks):
         if self.committed_iteration != state.iteration:
             self.after_iteration(state, force=True)
             self.drain()
-            # The one job-wide wait: nobody trains on before every pair has settled the
-            # starting snapshot, so a pair that fails it leaves every rank at the start
-            # (rebuilt as at the start, replay/plan.py) rather than some past it.
-            dist.barrier(group=self.group)
+            # The one job-wide wait, once per generation (over the default group): nobody
+            # trains on before every pair has settled the starting snapshot, so a pair that
+            # fails it leaves every rank at the start (rebuilt as at the start,
+            # replay/plan.py) rather than some past it.
+            dist.barrier()
 
     def _start(self) -> None:
         """The first snapshot of a generation: size the ward buffer, start the worker."""
-        sizes = all_gather_plain(self.manifest.nbytes, group=self.group)
-        self.ensure_ward_buffer(int(sizes[self.ward]))
+        ward_bytes = self.manifest.nbytes if self.ward == self.rank else exchange_int(
+            self.links, self.manifest.nbytes, self.buddy, self.ward)
+        self.ensure_ward_buffer(ward_bytes)
         if self._cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=self.device.index)
         self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),
@@ -226,9 +239,9 @@ class SnapshotEngine(TrainingHooks):
                 self.ft.deadpool_snapshot_interval, self.rank, self.buddy,
                 self.manifest.nbytes / MB, self.manifest.dp_replicated_bytes / MB,
                 self.host_bytes / MB, len(self.own.slots), self.manifest.nbytes / MB,
-                sizes[self.ward] / MB)
+                ward_bytes / MB)
             self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
-                             shard_bytes=self.manifest.nbytes, ward_bytes=sizes[self.ward],
+                             shard_bytes=self.manifest.nbytes, ward_bytes=ward_bytes,
                              dp_replicated_bytes=self.manifest.dp_replicated_bytes,
                              host_bytes=self.host_bytes)
 
@@ -324,7 +337,7 @@ class SnapshotEngine(TrainingHooks):
         if ward_copy is None:
             raise SnapshotError(f"rank {self.rank}: no committed snapshot yet")
         incoming = self.own.loose_slot()
-        exchange(self.group, ward_copy, self.ward, incoming, self.buddy,
+        exchange(self.links, ward_copy, self.ward, incoming, self.buddy,
                  chunk_bytes=self.chunk_bytes)
         return incoming
 
@@ -339,7 +352,7 @@ class SnapshotEngine(TrainingHooks):
             if job is None:
                 return
             try:
-                self._snapshot(job, pipe.group)
+                self._snapshot(job, pipe.links)
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
                 pipe.failure = err
                 job.copied.set()
@@ -374,7 +387,7 @@ class SnapshotEngine(TrainingHooks):
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
         return crc
 
-    def _snapshot(self, job: _Job, group: Any) -> None:
+    def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
         own = self.own.begin_write()
         crc = self._copy(job, own)
         job.copied.set()
@@ -390,7 +403,7 @@ class SnapshotEngine(TrainingHooks):
         ok = True
         try:
             self.stats.verify_s += exchange(
-                group, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
+                links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
                 after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
         except TornTransfer as err:
             ok = False
@@ -402,7 +415,7 @@ class SnapshotEngine(TrainingHooks):
         self.stats.bytes_sent += own.flat.numel() + len(own.objects)
         received = incoming.iteration == job.iteration and incoming.verified
         t0 = time.perf_counter()
-        acked = acknowledge(group, job.iteration if received else -1, self.ward,
+        acked = acknowledge(links, job.iteration if received else -1, self.ward,
                             self.buddy) == job.iteration
         self.stats.commit_s += time.perf_counter() - t0
         # Pairwise: the ward's copy is committed here once it verified; the own shard once
