@@ -8,7 +8,8 @@ setup(
     python_requires=">=3.11",
     # megatron-core 0.19.2 declares Python >=3.12; on 3.11 install it with
     # `pip install --no-deps --ignore-requires-python megatron-core==0.19.2` (tools/setup_env.sh).
-    install_requires=["torch>=2.6", "numpy", "packaging>=24.2", "psutil", "megatron-core==0.19.2"],
+    install_requires=["torch>=2.6", "numpy", "packaging>=24.2", "psutil", "crc32c>=2.4",
+                      "megatron-core==0.19.2"],
     extras_require={
         # GPU extras, used when present; nothing on CPU needs them. apex is not on PyPI (the
         # PyPI package named apex is unrelated): build NVIDIA apex from source, see README.

@@ -69,7 +69,7 @@ def test_the_snapshot_worker_sets_the_process_device(slot3, monkeypatch) -> None
                                            FaultInjector([], 0), EventLog(None, 0))
         monkeypatch.setattr(engine, "_snapshot",
                             lambda job, group: seen.append(torch.cuda.current_device()))
-        pipe = engine_mod._Pipeline(group=None)
+        pipe = engine_mod._Pipeline(links={})
         worker = threading.Thread(target=engine._work, args=(pipe,), name="deadpool-snapshot")
         pipe.queue.put(engine_mod._Job(iteration=1, objects=b""))
         pipe.queue.put(None)
@@ -180,7 +180,7 @@ def test_the_snapshot_side_stream_is_on_the_process_device(slot3) -> None:
                                                FaultInjector([], 0), EventLog(None, 0))
             engine.attach(_Objects(8))
             engine.rank, engine.buddy, engine.ward = 0, 0, 0
-            engine.pipe = engine_mod._Pipeline(group=dist.new_group(backend="gloo"))
+            engine.pipe = engine_mod._Pipeline(links={0: dist.new_group(backend="gloo")})
             starter = threading.Thread(target=engine._start, name="deadpool-train")
             starter.start()
             starter.join()

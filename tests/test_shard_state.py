@@ -179,7 +179,7 @@ def test_the_next_snapshot_refuses_a_replaced_buffer_naming_it() -> None:
                             DeadPoolConfig(deadpool=True), FaultInjector([], 0),
                             EventLog(None, 0), ProcessDevice(None))
     engine.attach(objs)
-    engine.rank, engine.pipe = 0, _Pipeline(group=None)
+    engine.rank, engine.pipe = 0, _Pipeline(links={})
     engine.pipe.thread = types.SimpleNamespace()  # a worker is running and idle
     objs.model[0].expert_bias = torch.ones(3)
     with pytest.raises(SnapshotError, match=r"model0\.buffer\.expert_bias were replaced"):

@@ -31,7 +31,9 @@ def test_buddy_copy_restores_exact_state(tmp_path: Path, dist_opt: bool,
                                          failure_free_8: JobResult) -> None:
     """At iteration 5 every rank replaces its live model/optimizer by fresh ones restored from
     its buddy's committed copy; the run must end bit-identical to one without DeadPool.
-    A copy corrupted on the wire at iteration 3 must not commit, and training goes on."""
+    A copy corrupted on the wire at iteration 3 must not commit, and training goes on.
+    Commits are pairwise: only the pair of the corrupted copy (rank 2 and its buddy 6, each
+    the other's buddy with 4 ranks per node) leaves snapshot 3 uncommitted."""
     base = failure_free_8 if dist_opt else run_job(8, _args(dist_opt), tmp_path / "base",
                                                    timeout_s=300)
     assert base.ok, base.describe()
@@ -46,9 +48,17 @@ def test_buddy_copy_restores_exact_state(tmp_path: Path, dist_opt: bool,
     for rank in range(8):
         ev = _events(events, rank)
         committed = [e["iteration"] for e in ev if e["event"] == "snapshot_committed"]
+        not_committed = [e for e in ev if e["event"] == "snapshot_not_committed"]
         # The starting state (iteration 0) is committed before the first iteration.
-        assert committed == [i for i in range(0, ITERS + 1) if i != 3], (rank, committed)
-        assert [e["iteration"] for e in ev if e["event"] == "snapshot_not_committed"] == [3]
+        if rank in (2, 6):
+            assert committed == [i for i in range(0, ITERS + 1) if i != 3], (rank, committed)
+            assert [e["iteration"] for e in not_committed] == [3]
+            # Rank 2's own copy failed at its buddy; rank 6 refused its ward's copy.
+            assert (not_committed[0]["own"], not_committed[0]["ward"]) == \
+                ((False, True) if rank == 2 else (True, False))
+        else:
+            assert committed == list(range(0, ITERS + 1)), (rank, committed)
+            assert not not_committed
 
 
 def test_sender_killed_mid_transfer_leaves_previous_generation(tmp_path: Path) -> None:
@@ -64,5 +74,11 @@ def test_sender_killed_mid_transfer_leaves_previous_generation(tmp_path: Path) -
     sender_gen3 = [e for e in _events(events, 5)
                    if e["event"] == "snapshot_committed" and e["iteration"] == 3]
     assert sender_gen3 and torn[0]["committed_crc"] == sender_gen3[0]["crc"]
+    # Pairwise commits: the pair of the dead sender never commits 4; every survivor still
+    # holds a committed snapshot (3 or newer) of its own shard and of its ward's.
     assert not any(e["event"] == "snapshot_committed" and e["iteration"] == 4
-                   for r in range(8) for e in _events(events, r))
+                   for r in (1, 5) for e in _events(events, r))
+    for rank in (r for r in range(8) if r != 5):
+        ev = _events(events, rank)
+        last = max(e["iteration"] for e in ev if e["event"] == "snapshot_committed")
+        assert last >= 3, (rank, last)

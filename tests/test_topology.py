@@ -382,3 +382,46 @@ def test_scale_100k_coords() -> None:
         f"\n[scale] coord_of over {ws:,} ranks (tp={sizes.tp}, pp={sizes.pp}, dp={sizes.dp}): "
         f"build {built * 1e3:.1f} ms; build+round-trip+groups {total * 1e3:.1f} ms"
     )
+
+
+# -- data-parallel replica placement (topology/replicas.py) ---------------------------------
+from deadpool_megatron.topology.replicas import (  # noqa: E402
+    replica_source_of,
+    replica_sources,
+    replicas_lost,
+)
+
+
+def test_replica_source_is_a_dp_peer_on_another_node_at_100k_ranks() -> None:
+    from deadpool_megatron.topology import coord_of, node_of
+
+    sizes = ParallelSizes.from_world(100_000, tp=8, pp=5)  # dp = 2500
+    rpn = 8  # one tensor-parallel group per node: dp peers are on distinct nodes
+    sources = replica_sources(sizes, rpn)
+    for r, s in enumerate(sources):
+        assert s is not None
+        a, b = coord_of(r, sizes), coord_of(s, sizes)
+        assert (a.tp, a.cp, a.pp) == (b.tp, b.cp, b.pp) and a.dp != b.dp
+        assert node_of(s, rpn) != node_of(r, rpn)
+    # A permutation: every rank serves exactly one other.
+    assert sorted(sources) == list(range(100_000))
+    # Losing any whole node never loses a rank's replicated bytes with it.
+    for node in (0, 1, 6_249, 12_499):
+        assert not replicas_lost(range(node * rpn, (node + 1) * rpn), sources)
+
+
+def test_no_replica_source_when_every_dp_peer_shares_the_node() -> None:
+    sizes = ParallelSizes.from_world(16, tp=1, pp=2)  # dp = 8, dp peers are contiguous
+    assert replica_source_of(0, sizes, ranks_per_node=8) is None  # dp peers 0..7: one node
+    assert replica_source_of(0, sizes, ranks_per_node=4) == 4  # first peer on node 1
+    assert replica_source_of(7, sizes, ranks_per_node=4) == 0  # cyclic
+    assert replica_source_of(0, ParallelSizes.from_world(4, tp=4, pp=1), 1) is None  # dp=1
+    # The bench's job: 2 ranks, one per node.
+    assert replica_sources(ParallelSizes.from_world(2, tp=1, pp=1), 1) == [1, 0]
+
+
+def test_replicas_lost_needs_the_source_dead_too() -> None:
+    sources = [1, 0, 3, 2]
+    assert replicas_lost({0}, sources) == set()
+    assert replicas_lost({0, 1}, sources) == {0, 1}
+    assert replicas_lost({2}, [None, None, None, None]) == set()

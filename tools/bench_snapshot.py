@@ -5,7 +5,11 @@ measured side by side (jobs alternate off, on, off, on, ...) in one run of this 
     .venv/bin/python tools/bench_snapshot.py --rounds 3 --nproc 2
 
 Prints the ratio of median iteration times (on / off), the bytes copied and sent per
-iteration, and the host memory each rank holds for snapshots. Writes a JSON summary.
+iteration, the host memory each rank holds for snapshots, and each snapshot stage's achieved
+bandwidth next to this machine's memory-copy bandwidth (measured here, single-threaded), so
+the distance to the physical limit is visible. Writes a JSON summary.
+`--use-distributed-optimizer` shards the optimizer state: each rank's share is unique, so
+all of it must go to a buddy.
 On a GPU machine the snapshot is a side-stream copy into pinned host memory
 (tools/gpu_check.sh runs it on a 1B-parameter model); `--dry-run` prints the jobs and the
 model's size, after checking their flags, and runs nothing.
@@ -19,6 +23,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,6 +35,9 @@ SETUP = re.compile(r"deadpool snapshots: every .*?; ([0-9.]+) MB per snapshot \(
                    r"it replicated.*host memory held ([0-9.]+) MB")
 SUMMARY = re.compile(r"per snapshot ([0-9.]+) MB copied in ([0-9.]+) ms, ([0-9.]+) MB sent in "
                      r"([0-9.]+) ms .*training thread waited ([0-9.]+) ms")
+STAGES = re.compile(r"checksum of the copy ([0-9.]+) ms, of the received copy ([0-9.]+) ms, "
+                    r"commit ([0-9.]+) ms")
+MB = 1 << 20
 
 
 def model_args(ns: argparse.Namespace) -> list[str]:
@@ -41,7 +49,39 @@ def model_args(ns: argparse.Namespace) -> list[str]:
         "--vocab-size", str(ns.vocab), "--tensor-model-parallel-size", str(ns.tp),
         "--micro-batch-size", "4", "--global-batch-size", str(4 * dp),
         "--train-iters", str(ns.iters), "--lr", "1e-4", "--seed", "1",
-    ]
+    ] + (["--use-distributed-optimizer"] if ns.use_distributed_optimizer else [])
+
+
+def memcpy_gbps(nbytes: int = 256 * MB, repeats: int = 5) -> float:
+    """This machine's memory-copy bandwidth (GB/s): the best of a few single-threaded
+    `Tensor.copy_` of `nbytes`, the operation a host snapshot is made of."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first touch
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / best / 1e9
+
+
+def stage_bandwidths(details: dict) -> dict[str, float]:
+    """GB/s achieved per snapshot stage (bytes the stage handles / its time)."""
+    copied, sent = details.get("copied_mb"), details.get("sent_mb")
+    stages = {"copy_to_host_incl_checksum": (copied, details.get("copy_ms")),
+              "checksum_of_copy": (copied, details.get("checksum_ms")),
+              "transfer_incl_checksum": (sent, details.get("transfer_ms")),
+              "checksum_of_received": (sent, details.get("verify_ms"))}
+    return {name: round(mb * MB / (ms / 1e3) / 1e9, 2)
+            for name, (mb, ms) in stages.items() if mb and ms}
 
 
 def model_parameters(ns: argparse.Namespace) -> int:
@@ -85,6 +125,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=64, help="sequence length")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over data-parallel ranks (each rank's "
+                        "share is unique: all of it goes to a buddy)")
     p.add_argument("--out", type=Path, default=None, help="JSON summary path")
     p.add_argument("--dry-run", action="store_true", help="check and print; run nothing")
     ns = p.parse_args()
@@ -113,20 +156,32 @@ def main() -> int:
                         details.update(copied_mb=float(m[1]), copy_ms=float(m[2]),
                                        sent_mb=float(m[3]), transfer_ms=float(m[4]),
                                        main_wait_ms_total=float(m[5]))
+                    if m := STAGES.search(job.output):
+                        details.update(checksum_ms=float(m[1]), verify_ms=float(m[2]),
+                                       commit_ms=float(m[3]))
                 print(f"round {rnd} {mode:>3}: median {statistics.median(times[mode]):.1f} ms "
                       f"per iteration so far", flush=True)
+    memcpy = memcpy_gbps()
+    bandwidths = stage_bandwidths(details)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     mean_off, mean_on = statistics.fmean(times["off"]), statistics.fmean(times["on"])
     summary = {"nproc": ns.nproc, "snapshot_interval": ns.interval,
                "backend": ns.backend, "model_parameters": model_parameters(ns),
+               "distributed_optimizer": ns.use_distributed_optimizer,
                "iterations_per_mode": len(times["on"]),
                "median_ms_off": off, "median_ms_on": on, "ratio_on_off": on / off,
                "mean_ms_off": mean_off, "mean_ms_on": mean_on,
-               "mean_ratio_on_off": mean_on / mean_off, **details}
+               "mean_ratio_on_off": mean_on / mean_off, **details,
+               "memcpy_gb_s": round(memcpy, 2), "stage_gb_s": bandwidths}
     print(json.dumps(summary, indent=2))
     print(f"ratio on/off = {on / off:.3f} (median), {mean_on / mean_off:.3f} (mean); per snapshot {details.get('copied_mb')} MB copied "
           f"to host and {details.get('sent_mb')} MB sent to the buddy per rank; host memory "
           f"held {details.get('host_mb_per_rank')} MB per rank")
+    print(f"memory-copy bandwidth here (one thread): {memcpy:.2f} GB/s")
+    for name, gbps in bandwidths.items():
+        print(f"  {name:<28} {gbps:7.2f} GB/s  ({gbps / memcpy:.2f} x memory copy)")
+    if "commit_ms" in details:
+        print(f"  commit                       {details['commit_ms']:7.1f} ms per snapshot")
     if ns.out:
         ns.out.write_text(json.dumps(summary, indent=2))
     return 0

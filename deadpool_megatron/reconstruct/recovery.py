@@ -287,8 +287,8 @@ def _join_cutting(training: StoppableThread, severed: int,
 
 # -- rejoin, rebind -------------------------------------------------------------------------
 def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool:
-    """Meet generation `generation`'s members and create its groups (the snapshot group
-    too); False if a newer generation was declared meanwhile. A newer declaration while
+    """Meet generation `generation`'s members and create its groups (the snapshot
+    pairs too); False if a newer generation was declared meanwhile. A newer declaration while
     this generation forms cuts its connections (`interrupt`), so nothing waits on a peer
     that died meanwhile."""
     laps = laps or _Laps()
@@ -386,14 +386,14 @@ def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> 
         raise RuntimeError(f"rank {rank} lost its copy of rank {ward}'s snapshot {t}")
     incoming = engine.own.begin_write() if need else None
     if incoming is not None or outgoing is not None:
-        exchange(engine.group, outgoing, ward, incoming, buddy, chunk_bytes=engine.chunk_bytes)
+        exchange(engine.links, outgoing, ward, incoming, buddy, chunk_bytes=engine.chunk_bytes)
     refill_out = engine.own.find(t) if plan.refill_ward[buddy] else None
     refill_in = None
     if plan.refill_ward[rank]:
         engine.ensure_ward_buffer(shard_bytes[ward])
         refill_in = engine.ward_buffer.begin_write()
     if refill_in is not None or refill_out is not None:
-        exchange(engine.group, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes)
+        exchange(engine.links, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes)
 
 
 def _apply(member: Member, plan: RecoveryPlan) -> None:

@@ -1,22 +1,34 @@
-"""Double-buffered ("ping-pong") host snapshots with an explicit committed slot.
+"""Multi-buffered host snapshots with an explicit committed slot.
 
-A write always goes to the slot that does not hold the committed snapshot, so the committed
-copy stays intact however many later snapshots are torn or corrupted. A snapshot is named by
-the iteration whose end state it holds.
+A write always goes to a slot that does not hold the committed snapshot (the one holding the
+oldest snapshot, or nothing), so the committed copy stays intact however many later
+snapshots are torn or corrupted. A snapshot is named by the iteration whose end state it
+holds. A ward's copies need two slots; a rank's own shard three, since commits are pairwise
+(engine.py): a rank may be one snapshot ahead of another pair's commit, and must still hold
+the snapshot that pair committed last.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
+import crc32c
 import torch
 
 
+def crc_update(crc: int, data: torch.Tensor | bytes | memoryview) -> int:
+    """CRC32C of `data` continued from `crc` (0 to start). CRC32C, not zlib's CRC32: the
+    SSE4.2/ARMv8 instruction makes it several times faster than a copy of the same bytes
+    (zlib's CRC32 was slower than the copy), and it releases the GIL on large buffers."""
+    if isinstance(data, torch.Tensor):
+        data = memoryview(data.numpy())
+    return crc32c.crc32c(data, value=crc)
+
+
 def checksum(flat: torch.Tensor, objects: bytes) -> int:
-    """CRC32 over the tensor bytes then the objects (zlib releases the GIL on large data)."""
-    crc = zlib.crc32(memoryview(flat.numpy()))
-    return zlib.crc32(objects, crc)
+    """CRC32C over the tensor bytes then the objects: a slot's checksum, whether computed
+    in one pass (here) or chunk by chunk while the bytes are copied or received."""
+    return crc_update(crc_update(0, flat), objects)
 
 
 def host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
@@ -37,14 +49,29 @@ class Slot:
     iteration: int = -1  # the iteration whose end state it holds; -1: nothing valid
     objects: bytes = b""
     crc: int = 0
+    # The checksum was computed from these very bytes as they were written (copied or
+    # received) and matched: `check` then trusts it instead of reading them again.
+    verified: bool = False
 
     def verify(self) -> bool:
-        return self.iteration >= 0 and checksum(self.flat, self.objects) == self.crc
+        """Recompute the checksum over the bytes held now (a deep check; sets `verified`)."""
+        self.verified = self.iteration >= 0 and checksum(self.flat, self.objects) == self.crc
+        return self.verified
+
+    def check(self) -> bool:
+        """Holds a whole snapshot: verified once (when written, or here on first use for a
+        slot that came from elsewhere, e.g. read back from disk), never again."""
+        return self.iteration >= 0 and (self.verified or self.verify())
+
+    def seal(self, iteration: int, objects: bytes, crc: int) -> None:
+        """Mark the slot written with `iteration`, whose checksum `crc` was computed from
+        its bytes while they were written."""
+        self.objects, self.crc, self.iteration, self.verified = objects, crc, iteration, True
 
 
 @dataclass
 class DoubleBuffer:
-    """Two slots; `committed` indexes the slot of the latest committed snapshot."""
+    """Two or more slots; `committed` indexes the slot of the latest committed snapshot."""
 
     slots: list[Slot]
     pin: bool = False  # every slot, renewed ones too, in pinned memory
@@ -52,13 +79,14 @@ class DoubleBuffer:
     _writing: int | None = field(default=None, repr=False)
 
     @classmethod
-    def allocate(cls, nbytes: int, pin: bool = False) -> "DoubleBuffer":
-        return cls(slots=[Slot(host_tensor(nbytes, pin)), Slot(host_tensor(nbytes, pin))],
-                   pin=pin)
+    def allocate(cls, nbytes: int, pin: bool = False, count: int = 2) -> "DoubleBuffer":
+        if count < 2:
+            raise ValueError(f"a snapshot buffer needs at least 2 slots, not {count}")
+        return cls(slots=[Slot(host_tensor(nbytes, pin)) for _ in range(count)], pin=pin)
 
     def renewed(self, nbytes: int) -> "DoubleBuffer":
         """Empty slots of another size (the shard's layout changed), pinned as these are."""
-        return DoubleBuffer.allocate(nbytes, self.pin)
+        return DoubleBuffer.allocate(nbytes, self.pin, len(self.slots))
 
     def loose_slot(self) -> Slot:
         """A slot outside the pair (a copy fetched for a rehearsal), pinned as these are."""
@@ -73,11 +101,13 @@ class DoubleBuffer:
         return sum(s.flat.numel() for s in self.slots)
 
     def begin_write(self) -> Slot:
-        """The slot to fill next: never the committed one. Invalidates its old content."""
-        index = 0 if self.committed is None else 1 - self.committed
+        """The slot to fill next: never the committed one; an empty one, else the one holding
+        the oldest snapshot. Invalidates its old content."""
+        free = [i for i in range(len(self.slots)) if i != self.committed]
+        index = min(free, key=lambda i: (self.slots[i].check(), self.slots[i].iteration))
         self._writing = index
         slot = self.slots[index]
-        slot.iteration = -1
+        slot.iteration, slot.verified = -1, False
         return slot
 
     def commit(self, iteration: int) -> None:
@@ -93,21 +123,21 @@ class DoubleBuffer:
         """Make the slot holding `iteration` (verified) the committed one: a recovery agreed
         on it, so no later write may overwrite it. False if no slot holds it."""
         for i, slot in enumerate(self.slots):
-            if slot.iteration == iteration and slot.verify():
+            if slot.iteration == iteration and slot.check():
                 self.committed, self._writing = i, None
                 return True
         return False
 
     def find(self, iteration: int) -> Slot | None:
-        """A slot holding `iteration` whose CRC verifies (committed or not)."""
+        """A slot holding `iteration` whose CRC verified (committed or not)."""
         for slot in self.slots:
-            if slot.iteration == iteration and slot.verify():
+            if slot.iteration == iteration and slot.check():
                 return slot
         return None
 
     def available(self) -> list[int]:
         """Iterations held completely (CRC verified), newest first."""
-        return sorted((s.iteration for s in self.slots if s.verify()), reverse=True)
+        return sorted((s.iteration for s in self.slots if s.check()), reverse=True)
 
     def committed_slot(self) -> Slot | None:
         return None if self.committed is None else self.slots[self.committed]

@@ -4,15 +4,22 @@ Snapshot k is the state after iteration k's optimizer step. Its timeline:
   main thread, after_iteration(k): capture the small objects, hand k to the worker;
   worker: copy the shard into a host slot (overlaps iteration k+1's forward/backward);
   main thread, before_optimizer_step(k+1): wait for that local copy only;
-  worker: CRC, send to the buddy while receiving the ward's copy, verify, then an
-  all-reduce(MIN) over the snapshot group commits k everywhere or nowhere.
+  worker: send to the buddy while receiving the ward's copy (its CRC32C computed chunk by
+  chunk as it arrives; the own copy's as it is copied), then a pairwise commit: each rank
+  tells its ward whether the ward's copy verified and hears the same from its buddy. The
+  ward's copy is committed once verified, the own shard once the buddy acknowledged it.
+No job-wide barrier: a rank waits only on its buddy and ward. A pair can then commit k
+while another pair still transfers k - interval, but never further apart (that pair's
+training thread waits for its commit before its next iteration, so no rank gets past the
+next snapshot); three own slots keep the snapshot the slowest pair committed, and the
+recovery (replay/plan.py) picks the newest snapshot every rank holds.
 The worker handles one snapshot at a time; the next local copy starts when the previous one
 is committed or abandoned, so a slot being sent is never overwritten. The state the job
 starts from (iteration 0, or the checkpoint it loaded) is snapshotted and committed before
 the first iteration, so a failure in iteration 1 finds it.
 
 Host buffers live as long as the process: they are what a recovery restores from. Each
-membership generation has its own snapshot process group and worker (`connect`, `leave`).
+membership generation has its own pair groups and worker (`connect`, `leave`).
 """
 
 from __future__ import annotations
@@ -34,18 +41,20 @@ from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
-from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum
-from deadpool_megatron.snapshot.manifest import Manifest, build_manifest, copy_into
+from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum, crc_update
+from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
+                                                 copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
-from deadpool_megatron.snapshot.transport import TornTransfer, exchange
+from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
+                                                  exchange_int)
 from deadpool_megatron.topology import buddy_of, ward_of
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
 SNAPSHOT_GROUP = "DEADPOOL_SNAPSHOT_GROUP"
+OWN_SLOTS = 3  # pairwise commits: see the module docstring
 
 
 class SnapshotError(RuntimeError):
@@ -62,10 +71,12 @@ class _Job:
 
 @dataclass
 class _Pipeline:
-    """One generation's worker and its group. After a failure the worker is stopped (its
-    group's connections are cut) before the next generation reuses the host buffers."""
+    """One generation's worker and its links: a two-rank gloo group with the buddy and one
+    with the ward (one if they are the same rank), by peer rank. After a failure the worker
+    is stopped (its groups' connections are cut) before the next generation reuses the host
+    buffers."""
 
-    group: Any
+    links: dict[int, Any]
     queue: "queue.Queue[_Job | None]" = field(default_factory=queue.Queue)
     idle: threading.Event = field(default_factory=threading.Event)
     job: _Job | None = None
@@ -85,8 +96,11 @@ class SnapshotStats:
     committed: int = 0
     bytes_copied: int = 0
     bytes_sent: int = 0
-    copy_s: float = 0.0
-    transfer_s: float = 0.0
+    copy_s: float = 0.0  # host copy of the own shard, its checksum included
+    checksum_s: float = 0.0  # of which computing the own shard's checksum
+    transfer_s: float = 0.0  # exchange with buddy and ward, the received checksum included
+    verify_s: float = 0.0  # of which checksumming the ward's copy as it arrived
+    commit_s: float = 0.0  # agreeing on the commit
     main_wait_s: float = 0.0  # time the training thread spent waiting on the engine
 
 
@@ -124,20 +138,29 @@ class SnapshotEngine(TrainingHooks):
 
     # -- membership ------------------------------------------------------------------------
     def connect(self) -> None:
-        """Join the current generation: its buddy ring and a snapshot group of its own
-        (snapshot traffic never queues behind, or blocks, training's). Collective."""
+        """Join the current generation: its buddy ring, and a gloo group with the buddy and
+        one with the ward, of this rank's snapshots only (snapshot traffic never queues
+        behind, or blocks, training's). No world-sized group: a world-sized gloo group is a
+        full mesh, N^2 connections at every start and recovery; these are two per rank.
+        Only the members of a pair create it; every rank creates its pairs in one global
+        order (by their ranks), so no cycle of ranks waits on each other around the ring."""
         self.rank, world = dist.get_rank(), dist.get_world_size()
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
-        self.pipe = _Pipeline(group=dist.new_group(backend="gloo", timeout=self.timeout,
-                                                   group_desc=SNAPSHOT_GROUP))
+        links: dict[int, Any] = {}
+        for pair in sorted({tuple(sorted((self.rank, peer))) for peer in (self.ward, self.buddy)}):
+            group = dist.new_group(ranks=list(pair), backend="gloo", timeout=self.timeout,
+                                   group_desc=SNAPSHOT_GROUP, use_local_synchronization=True)
+            links.update({peer: group for peer in pair if peer != self.rank})
+        self.pipe = _Pipeline(links=links)
 
     @property
-    def group(self) -> Any:
+    def links(self) -> dict[int, Any]:
+        """Peer rank -> the two-rank group to reach it (buddy and ward)."""
         assert self.pipe is not None, "no snapshot generation is open"
-        return self.pipe.group
+        return self.pipe.links
 
     def leave(self) -> _Pipeline | None:
         """Abandon the current generation's pipeline and wake a training thread waiting on
@@ -173,15 +196,15 @@ class SnapshotEngine(TrainingHooks):
         self.objects = objs
         self.manifest = build_manifest(objs.model, objs.optimizer,
                                        self.cfg.use_distributed_optimizer)
-        self.own = self._sized(self.own, self.manifest.nbytes)
+        self.own = self._sized(self.own, self.manifest.nbytes, OWN_SLOTS)
 
     def ensure_ward_buffer(self, nbytes: int) -> None:
         self.ward_buffer = self._sized(self.ward_buffer, nbytes)
 
-    def _sized(self, buffer: DoubleBuffer | None, nbytes: int) -> DoubleBuffer:
+    def _sized(self, buffer: DoubleBuffer | None, nbytes: int, count: int = 2) -> DoubleBuffer:
         """`buffer` if it has the size, else new slots, pinned on a GPU machine."""
         if buffer is None:
-            return DoubleBuffer.allocate(nbytes, pin=self._cuda)
+            return DoubleBuffer.allocate(nbytes, pin=self._cuda, count=count)
         return buffer if buffer.slots[0].flat.numel() == nbytes else buffer.renewed(nbytes)
 
     def on_train_start(self, state: LoopState) -> None:
@@ -192,11 +215,17 @@ class SnapshotEngine(TrainingHooks):
         if self.committed_iteration != state.iteration:
             self.after_iteration(state, force=True)
             self.drain()
+            # The one job-wide wait, once per generation (over the default group): nobody
+            # trains on before every pair has settled the starting snapshot, so a pair that
+            # fails it leaves every rank at the start (rebuilt as at the start,
+            # replay/plan.py) rather than some past it.
+            dist.barrier()
 
     def _start(self) -> None:
         """The first snapshot of a generation: size the ward buffer, start the worker."""
-        sizes = all_gather_plain(self.manifest.nbytes, group=self.group)
-        self.ensure_ward_buffer(int(sizes[self.ward]))
+        ward_bytes = self.manifest.nbytes if self.ward == self.rank else exchange_int(
+            self.links, self.manifest.nbytes, self.buddy, self.ward)
+        self.ensure_ward_buffer(ward_bytes)
         if self._cuda and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=self.device.index)
         self.pipe.thread = threading.Thread(target=self._work, args=(self.pipe,),
@@ -206,12 +235,13 @@ class SnapshotEngine(TrainingHooks):
             log.info(
                 "deadpool snapshots: every %d iteration(s); rank %d -> buddy %d; %.2f MB per "
                 "snapshot (%.2f MB of it replicated on data-parallel peers); host memory held "
-                "%.2f MB (own 2 x %.2f, ward 2 x %.2f)",
+                "%.2f MB (own %d x %.2f, ward 2 x %.2f)",
                 self.ft.deadpool_snapshot_interval, self.rank, self.buddy,
                 self.manifest.nbytes / MB, self.manifest.dp_replicated_bytes / MB,
-                self.host_bytes / MB, self.manifest.nbytes / MB, sizes[self.ward] / MB)
+                self.host_bytes / MB, len(self.own.slots), self.manifest.nbytes / MB,
+                ward_bytes / MB)
             self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
-                             shard_bytes=self.manifest.nbytes, ward_bytes=sizes[self.ward],
+                             shard_bytes=self.manifest.nbytes, ward_bytes=ward_bytes,
                              dp_replicated_bytes=self.manifest.dp_replicated_bytes,
                              host_bytes=self.host_bytes)
 
@@ -259,14 +289,16 @@ class SnapshotEngine(TrainingHooks):
         self.stop()
         s = self.stats
         if self.rank == 0:
+            n = max(s.snapshots, 1)
             log.info("deadpool snapshots: %d taken, %d committed (latest: %s); per snapshot "
                      "%.2f MB copied in %.1f ms, %.2f MB sent in %.1f ms (background); "
-                     "training thread waited %.1f ms in all",
+                     "stages per snapshot: checksum of the copy %.1f ms, of the received "
+                     "copy %.1f ms, commit %.1f ms; training thread waited %.1f ms in all",
                      s.snapshots, s.committed, self.committed_iteration,
-                     s.bytes_copied / max(s.snapshots, 1) / MB,
-                     1e3 * s.copy_s / max(s.snapshots, 1),
-                     s.bytes_sent / max(s.snapshots, 1) / MB,
-                     1e3 * s.transfer_s / max(s.snapshots, 1), 1e3 * s.main_wait_s)
+                     s.bytes_copied / n / MB, 1e3 * s.copy_s / n,
+                     s.bytes_sent / n / MB, 1e3 * s.transfer_s / n,
+                     1e3 * s.checksum_s / n, 1e3 * s.verify_s / n, 1e3 * s.commit_s / n,
+                     1e3 * s.main_wait_s)
 
     def drain(self) -> None:
         """Wait until the snapshot in flight is committed or abandoned."""
@@ -305,7 +337,7 @@ class SnapshotEngine(TrainingHooks):
         if ward_copy is None:
             raise SnapshotError(f"rank {self.rank}: no committed snapshot yet")
         incoming = self.own.loose_slot()
-        exchange(self.group, ward_copy, self.ward, incoming, self.buddy,
+        exchange(self.links, ward_copy, self.ward, incoming, self.buddy,
                  chunk_bytes=self.chunk_bytes)
         return incoming
 
@@ -320,7 +352,7 @@ class SnapshotEngine(TrainingHooks):
             if job is None:
                 return
             try:
-                self._snapshot(job, pipe.group)
+                self._snapshot(job, pipe.links)
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
                 pipe.failure = err
                 job.copied.set()
@@ -333,24 +365,33 @@ class SnapshotEngine(TrainingHooks):
                 return
             pipe.idle.set()
 
-    def _copy(self, job: _Job, slot: Slot) -> None:
+    def _copy(self, job: _Job, slot: Slot) -> int:
+        """Fill `slot` with the shard; returns the checksum of its bytes (computed while
+        copying on the host, in one pass after the side-stream copy on a GPU)."""
         t0 = time.perf_counter()
         if self._cuda:
             with torch.cuda.stream(self._side_stream):
                 self._side_stream.wait_event(job.ready)
                 copy_into(self.manifest, slot.flat, non_blocking=True)
             self._side_stream.synchronize()
+            t1 = time.perf_counter()
+            crc = checksum(slot.flat, job.objects)
+            crc_s = time.perf_counter() - t1
         else:
-            copy_into(self.manifest, slot.flat)
+            crc, crc_s = copy_and_checksum(self.manifest, slot.flat)
+            t1 = time.perf_counter()
+            crc = crc_update(crc, job.objects)
+            crc_s += time.perf_counter() - t1
         self.stats.copy_s += time.perf_counter() - t0
+        self.stats.checksum_s += crc_s
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
+        return crc
 
-    def _snapshot(self, job: _Job, group: Any) -> None:
+    def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
         own = self.own.begin_write()
-        self._copy(job, own)
+        crc = self._copy(job, own)
         job.copied.set()
-        own.objects, own.iteration = job.objects, job.iteration
-        own.crc = checksum(own.flat, own.objects)
+        own.seal(job.iteration, job.objects, crc)
         self.stats.snapshots += 1
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)
@@ -361,8 +402,9 @@ class SnapshotEngine(TrainingHooks):
         t0 = time.perf_counter()
         ok = True
         try:
-            exchange(group, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
-                     after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
+            self.stats.verify_s += exchange(
+                links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
+                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
         except TornTransfer as err:
             ok = False
             self._report_torn(job.iteration, err)
@@ -371,25 +413,34 @@ class SnapshotEngine(TrainingHooks):
                 own.flat[0] ^= 0xFF
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() + len(own.objects)
-        verdict = torch.tensor([job.iteration if ok else -1], dtype=torch.int64)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
-        if int(verdict) == job.iteration:
-            self.own.commit(job.iteration)
+        received = incoming.iteration == job.iteration and incoming.verified
+        t0 = time.perf_counter()
+        acked = acknowledge(links, job.iteration if received else -1, self.ward,
+                            self.buddy) == job.iteration
+        self.stats.commit_s += time.perf_counter() - t0
+        # Pairwise: the ward's copy is committed here once it verified; the own shard once
+        # the buddy says its copy verified. No rank waits on any other pair.
+        if received:
             self.ward_buffer.commit(job.iteration)
+        if acked:
+            self.own.commit(job.iteration)
             self.committed_iteration = job.iteration
+        if received and acked:
             self.stats.committed += 1
             self.events.emit("snapshot_committed", iteration=job.iteration,
                              bytes=own.flat.numel(), crc=own.crc, ward_crc=incoming.crc)
         else:
             self.events.emit("snapshot_not_committed", iteration=job.iteration,
-                             committed=self.committed_iteration)
-            log.warning("rank %d: snapshot %d not committed (a copy failed to verify); "
-                        "snapshot %s stays committed", self.rank, job.iteration,
+                             own=acked, ward=received, committed=self.committed_iteration)
+            log.warning("rank %d: snapshot %d not committed (%s); snapshot %s stays "
+                        "committed", self.rank, job.iteration,
+                        "the buddy's copy of it did not verify" if not acked
+                        else f"the copy from ward {self.ward} did not verify",
                         self.committed_iteration)
 
     def _report_torn(self, iteration: int, err: Exception) -> None:
         prior = self.ward_buffer.committed_slot()
-        intact = prior is not None and prior.verify()
+        intact = prior is not None and prior.check()
         self.events.emit("snapshot_torn", iteration=iteration, ward=self.ward,
                          error=str(err), committed=self.committed_iteration,
                          committed_intact=intact, committed_crc=prior.crc if prior else None)

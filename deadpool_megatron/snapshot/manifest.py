@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
+from deadpool_megatron.snapshot.buffers import crc_update
 
 
 ALIGN = 64
@@ -140,6 +142,23 @@ def copy_into(manifest: Manifest, flat: torch.Tensor, non_blocking: bool = False
     for t, e in zip(manifest.tensors, manifest.entries):
         flat[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(
             t, non_blocking=non_blocking)
+
+
+def copy_and_checksum(manifest: Manifest, flat: torch.Tensor) -> tuple[int, float]:
+    """Host tensors only: copy every live tensor into `flat` and checksum each slice right
+    after its copy, while its bytes are still in cache. Returns the CRC32C of the whole
+    `flat` (alignment gaps included, as sent) and the seconds spent on the checksum."""
+    crc, done, crc_s = 0, 0, 0.0
+    for t, e in zip(manifest.tensors, manifest.entries):
+        end = e.offset + e.nbytes
+        flat[e.offset:end].view(t.dtype).view(t.shape).copy_(t)
+        t0 = time.perf_counter()
+        crc = crc_update(crc, flat[done:end])
+        crc_s += time.perf_counter() - t0
+        done = end
+    t0 = time.perf_counter()
+    crc = crc_update(crc, flat[done:])
+    return crc, crc_s + time.perf_counter() - t0
 
 
 def restore_from(manifest: Manifest, flat: torch.Tensor) -> None:

@@ -45,8 +45,9 @@ def rewind_rng(objects_blob: bytes) -> dict[str, Any]:
 
 
 def restore_shard(objs: TrainingObjects, slot: Slot, distributed_optimizer: bool) -> dict[str, Any]:
-    """Load `slot` (checksum-verified here) into `objs`; returns its small objects."""
-    if not slot.verify():
+    """Load `slot` into `objs` (a slot not verified when written, e.g. read back from disk,
+    is checksummed here); returns its small objects."""
+    if not slot.check():
         raise SnapshotMismatch(f"snapshot of iteration {slot.iteration} fails its checksum")
     allocate_optimizer_state(objs.optimizer)
     manifest = build_manifest(objs.model, objs.optimizer, distributed_optimizer)

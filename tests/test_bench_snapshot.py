@@ -1,0 +1,37 @@
+"""tools/bench_snapshot.py's own arithmetic and flags (no jobs run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_snapshot", ROOT / "tools/bench_snapshot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stage_bandwidths_are_bytes_over_time() -> None:
+    bench = _tool()
+    got = bench.stage_bandwidths({"copied_mb": 100.0, "copy_ms": 50.0, "sent_mb": 10.0,
+                                  "transfer_ms": 20.0, "checksum_ms": 10.0, "verify_ms": 0.0})
+    mb = 1 << 20
+    assert got == {"copy_to_host_incl_checksum": round(100 * mb / 0.05 / 1e9, 2),
+                   "checksum_of_copy": round(100 * mb / 0.01 / 1e9, 2),
+                   "transfer_incl_checksum": round(10 * mb / 0.02 / 1e9, 2)}
+    assert bench.memcpy_gbps(1 << 20, repeats=2) > 0
+
+
+def test_distributed_optimizer_flag_reaches_both_jobs() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "tools/bench_snapshot.py"), "--dry-run",
+                          "--use-distributed-optimizer"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    jobs = [line for line in out.stdout.splitlines() if line.startswith("would run")]
+    assert len(jobs) == 2 and all("--use-distributed-optimizer" in j for j in jobs)
