@@ -4,10 +4,7 @@ distributed optimizer (8 processes, gloo), driven by the upstream-shaped driver.
 With --deadpool the patched loop snapshots every iteration to ring buddies without changing
 a bit of the training, and the micro-batch phases reach the fault injector at the right
 point of Megatron's own loop. Megatron's own --save/--load resume the same training.
-
-Dropout is off: with it, the first resumed iteration differs on CPU, where the default
-generator doubles as CUDA's and is presumably drawn from after the checkpoint's RNG state
-is restored (building the data loader's iterator)."""
+Dropout is on (Megatron's default, 0.1): the resumes must rewind its streams too."""
 
 from __future__ import annotations
 
@@ -36,8 +33,7 @@ MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
          "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
          "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--distributed-backend", "gloo",
-         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]
+         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
