@@ -4,16 +4,20 @@ in the order our own loop reaches them (hooks.py), and the flags are Megatron's.
 from __future__ import annotations
 
 import argparse
+import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from deadpool_megatron.config import ConfigError, TrainConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration import megatron_lm
 from deadpool_megatron.integration.megatron_lm import (HotSwapUnavailable, MegatronLoop,
-                                                       add_deadpool_args, deadpool_config,
-                                                       fault_tolerance_hooks, train_config)
+                                                       ReenterTrain, add_deadpool_args,
+                                                       deadpool_config, fault_tolerance_hooks,
+                                                       run_train, train_config)
 
 
 class Recorder(TrainingHooks):
@@ -114,12 +118,80 @@ def test_bad_deadpool_flags_are_refused_naming_the_flag(monkeypatch) -> None:
         fault_tolerance_hooks(args)
 
 
-def test_restore_rehearsal_is_refused_in_megatrons_loop(monkeypatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    args = add_deadpool_args(argparse.ArgumentParser()).parse_args(
-        ["--deadpool", "--deadpool-ranks-per-node", "2", "--deadpool-verify-restore-at", "2"])
-    with pytest.raises(ConfigError, match="--deadpool-verify-restore-at is not available"):
-        fault_tolerance_hooks(args)
+def _megatron_training() -> Any:
+    from deadpool_megatron.rehearsal import prepare_megatron_import
+    from deadpool_megatron.rehearsal.imports import provide_typing_override
+
+    prepare_megatron_import(True)
+    provide_typing_override()
+    import megatron.training
+
+    return megatron.training
+
+
+def _train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+           valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+           non_loss_data_func, inference_model=None, p2p_communicator=None,
+           pg_collection=None):
+    """Megatron's train() signature."""
+
+
+def test_run_train_enters_train_again_where_the_restore_put_it(monkeypatch) -> None:
+    training = _megatron_training()
+    from megatron.core.timers import Timers
+
+    margs = SimpleNamespace(iteration=0, curr_iteration=0, consumed_train_samples=0)
+    timers = Timers(0, "minmax")
+    monkeypatch.setattr(training, "get_args", lambda: margs)
+    monkeypatch.setattr(training, "get_timers", lambda: timers)
+    monkeypatch.setattr(megatron_lm, "_data_iterators_at",
+                        lambda provider: (f"train@{margs.consumed_train_samples}",
+                                          f"valid@{provider}"))
+    entries, restored = [], []
+
+    def restore(objects):
+        restored.append(objects)
+        return {"iteration": 3, "consumed_samples": 24}
+
+    def train(*args, **kwargs):
+        call = inspect.signature(_train).bind(*args, **kwargs)
+        entries.append((margs.iteration, call.arguments["train_data_iterator"],
+                        call.arguments["valid_data_iterator"], call.arguments["pg_collection"]))
+        if len(entries) == 1:
+            timers("interval-time", log_level=0)._started = True  # left running, as train()
+            raise ReenterTrain(restore, "test")
+        timers("interval-time", log_level=0)._started is False or pytest.fail("still started")
+        return 5, 1.5
+
+    train.__signature__ = inspect.signature(_train)  # type: ignore[attr-defined]
+    result = run_train(train, "provider", "fwd", ["chunk"], "opt", "sched", "it0", "va0", None,
+                       "cfg", {}, None, pg_collection="pgs")
+    assert result == (5, 1.5)
+    assert entries == [(0, "it0", "va0", "pgs"), (3, "train@24", "valid@provider", "pgs")]
+    assert (margs.iteration, margs.curr_iteration, margs.consumed_train_samples) == (3, 3, 24)
+    assert [(o.model, o.optimizer, o.scheduler, o.config) for o in restored] == \
+        [(["chunk"], "opt", "sched", "cfg")]
+
+
+def test_a_reentered_train_keeps_the_hooks_and_wraps_the_reduction_once() -> None:
+    rec = Recorder()
+    reduced: list[int] = []
+
+    def original(model, *a, **k):
+        reduced.append(1)
+
+    config = SimpleNamespace(finalize_model_grads_func=original)
+    args = add_deadpool_args(argparse.ArgumentParser()).parse_args([])
+    args.consumed_train_samples = 0
+    first = MegatronLoop.start(args, [], None, None, config, iteration=0, extra_hooks=[rec])
+    first.iteration_start(0, 0)
+    # left without end() (ReenterTrain): the reduction stays wrapped; entered again.
+    second = MegatronLoop.start(args, [], None, None, config, iteration=0)
+    assert second.hooks.hooks == first.hooks.hooks
+    config.finalize_model_grads_func([])
+    assert reduced == [1] and rec.seen.count("before_grad_reduction") == 1
+    second.end()
+    assert config.finalize_model_grads_func is original
 
 
 def test_hot_swap_under_deadpool_launch_is_refused_before_training(monkeypatch) -> None:

@@ -3,11 +3,9 @@ distributed optimizer (8 processes, gloo), driven by the upstream-shaped driver.
 
 With --deadpool the patched loop snapshots every iteration to ring buddies without changing
 a bit of the training, and the micro-batch phases reach the fault injector at the right
-point of Megatron's own loop. Megatron's own --save/--load resume the same training.
-
-Dropout is off: with it, the first resumed iteration differs on CPU, where the default
-generator doubles as CUDA's and is presumably drawn from after the checkpoint's RNG state
-is restored (building the data loader's iterator)."""
+point of Megatron's own loop. Megatron's own --save/--load resume the same training, and so
+does Megatron's train() entered again after every rank restored its buddy's copy of a
+snapshot. Dropout is on (Megatron's default, 0.1): the resumes must rewind its streams too."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
          "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
          "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--distributed-backend", "gloo",
-         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]
+         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
@@ -108,6 +105,32 @@ def test_with_deadpool_it_snapshots_and_the_phases_fire(patched_tree: Path, plai
     fault = [e for e in _events(events, 5) if e["event"] == "fault_injected"]
     assert [(f["iteration"], f["phase"]) for f in fault] == [(4, "reduction")]
     assert "InjectedFault: injected fault on rank 5" in ft.logs[5], ft.logs[5][-3000:]
+
+
+@pytest.mark.fault_matrix
+def test_megatrons_train_entered_again_after_a_restore_from_the_buddy_is_bit_identical(
+        patched_tree: Path, plain, tmp_path: Path) -> None:
+    """--deadpool-verify-restore-at 2: after iteration 2 every rank restores its live
+    objects from its buddy's copy of snapshot 1 and Megatron's train() goes on from there:
+    iteration 2 is computed twice, and the run ends as the run without it."""
+    run, _ = plain
+    events = tmp_path / "events"
+    job = run_job(8, [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-ranks-per-node", "4",
+                      "--deadpool-events", str(events), "--deadpool-verify-restore-at", "2"],
+                  tmp_path / "rewind", timeout_s=400, script=patched_tree / "pretrain_gpt.py",
+                  env=ENV)
+    assert job.ok, job.describe()
+    assert ("restore rehearsal: snapshot 1 from the buddy, iteration 2 again: Megatron's "
+            "train() entered again at iteration 1 (8 samples consumed)") in job.output, \
+        job.describe()
+    # The first train() was left at iteration 2's boundary, before Megatron logs it.
+    assert re.findall(r"iteration +(\d+)/ +4 \|", job.output) == ["1", "2", "3", "4"], \
+        job.describe()
+    for rank in range(8):  # iteration 2 was computed, and snapshotted, twice
+        committed = [e["iteration"] for e in _events(events, rank)
+                     if e["event"] == "snapshot_committed"]
+        assert committed == [0, 1, 2, 2, 3, 4], (rank, committed)
+    assert job.fingerprint == run.fingerprint, job.describe()
 
 
 def _kill_rank_when(log: Path, text: str, script: Path, rank: int, stop: threading.Event,

@@ -20,7 +20,7 @@ TESTED = {
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
     "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
     "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
-    "megatron-lm-load-torch-adam",
+    "megatron-lm-load-torch-adam", "megatron-lm-data-iterator-draw",
 }
 
 
@@ -189,6 +189,34 @@ def test_megatron_lm_load_torch_adam_needed_and_works() -> None:
     assert "loaded (2, ['exp_avg', 'exp_avg_sq', 'step'])" in probe.stdout, probe.stdout
     assert "tied by the load True" in probe.stdout, "torch now copies 'step' on load"
     assert "steps 3.0 3.0" in probe.stdout, probe.stdout
+
+
+def test_megatron_lm_data_iterator_draw_needed_and_works() -> None:
+    """The draw itself; that a resumed run with dropout is bit-exact is shown by
+    tests/test_megatron_lm_run.py (dropout on)."""
+    probe = _python(_MEGATRON_LM + (
+        "import inspect\n"
+        "src = inspect.getsource(training.build_train_valid_test_data_iterators)\n"
+        "print('iter of a loader', 'RerunDataIterator(iter(dataloader))' in src)\n"
+        "def build(provider):\n"
+        "    return iter(torch.utils.data.DataLoader(list(range(4)))), None, None\n"
+        "before = torch.get_rng_state()\n"
+        "build(None)\n"
+        "print('bare draws', not torch.equal(before, torch.get_rng_state()))\n"
+        "original = training.build_train_valid_test_data_iterators\n"
+        "with CpuRehearsal(), MegatronLmOnCpu():\n"
+        "    wrapped = training.build_train_valid_test_data_iterators\n"
+        "    print('wraps', wrapped.__wrapped__ is original)\n"
+        "    from deadpool_megatron.rehearsal.megatron_lm import _leaving_dropout_generator\n"
+        "    before = torch.get_rng_state()\n"
+        "    _leaving_dropout_generator(build)(None)\n"
+        "    print('shimmed draws', not torch.equal(before, torch.get_rng_state()))\n"
+        "print('undone', training.build_train_valid_test_data_iterators is original)\n"))
+    assert probe.returncode == 0, probe.stderr
+    assert "iter of a loader True" in probe.stdout, "retire 'megatron-lm-data-iterator-draw'"
+    assert "bare draws True" in probe.stdout, "retire 'megatron-lm-data-iterator-draw'"
+    assert "wraps True" in probe.stdout and "shimmed draws False" in probe.stdout, probe.stdout
+    assert "undone True" in probe.stdout
 
 
 def test_jit_fuser_off_needed_and_works() -> None:

@@ -64,6 +64,8 @@ class MegatronLmOnCpu:
         self._patch(training, "initialize_megatron",
                     _inside_one_device(training.initialize_megatron))
         self._patch(training, "load_checkpoint", _with_optimizer_state(training.load_checkpoint))
+        self._patch(training, "build_train_valid_test_data_iterators",
+                    _leaving_dropout_generator(training.build_train_valid_test_data_iterators))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -77,6 +79,22 @@ def _inside_one_device(func: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         with _one_cuda_device():
             return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _leaving_dropout_generator(build: Callable) -> Callable:
+    """Making a DataLoader's iterator draws its workers' base seed from torch's default
+    generator. On a GPU that is the CPU generator, which the training never reads; on CPU
+    it is also the generator dropout draws from (CUDA's stand-in). pretrain() builds the
+    iterators after load_checkpoint restored the generators, so a resumed run's dropout
+    masks would be one draw ahead of the uninterrupted run's: the build leaves the
+    generator as it found it, as it leaves CUDA's on a GPU."""
+
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return build(*args, **kwargs)
 
     return wrapper
 

@@ -122,4 +122,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "runs under no_grad, and each parameter gets a step of its own, the loaded iteration.",
         ("optimizer/distrib_optimizer.py:839,1030,1225",),
     ),
+    Workaround(
+        "megatron-lm-data-iterator-draw",
+        "Making a DataLoader's iterator draws its workers' base seed from torch's default "
+        "generator, which on CPU is also dropout's (CUDA's stand-in); pretrain() builds the "
+        "iterators after load_checkpoint restored the generators, so a resumed run's dropout "
+        "masks were one draw ahead of the uninterrupted run's. The build leaves the generator "
+        "as it found it, as it leaves CUDA's on a GPU.",
+        ("../training/training.py:1228,1361,4617", "torch/utils/data/dataloader.py:690"),
+    ),
 )
