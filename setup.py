@@ -18,5 +18,6 @@ setup(
     entry_points={"console_scripts": [
         "deadpool-launch=deadpool_megatron.launch.launcher:main",
         "deadpool-patch=deadpool_megatron.patching.cli:main",
+        "deadpool-inject=deadpool_megatron.faults.cli:main",
     ]},
 )
