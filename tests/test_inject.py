@@ -4,8 +4,11 @@ authenticated control plane; each job still ends with the failure-free fingerpri
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,3 +226,100 @@ def test_inject_by_node_into_a_two_host_job(tmp_path: Path,
     spares = {e["rank"] for e in _events(events)
               if e["event"] == "recovered" and e["from_buddy"]}
     assert spares == {4, 5, 6, 7}, run.describe()
+
+
+def test_bad_command_lines_say_what_to_change(capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from deadpool_megatron.control.auth import ENV
+    from deadpool_megatron.faults.cli import main
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert main(["--master-port", "1", "kill rank=1"]) == 2
+    assert "launch the job with deadpool-launch --job-token-file F" in capsys.readouterr().err
+    assert main(["--master-port", "1", "corrupt rank=1 phase=snapshot"]) == 2
+    assert "use it with --deadpool-inject at launch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--master-port", "1", "--chaos", "kill rank=1"])
+    assert "exactly one of" in capsys.readouterr().err
+
+
+def test_job_control_against_a_store_as_host_0_writes_it(tmp_path: Path) -> None:
+    """deadpool-inject's side against a real TCPStore laid out as host 0's launcher lays it
+    out: targets resolve to the current members, signals go to the workers' launchers, a
+    wrong token is refused and a job still starting is waited for (bounded)."""
+    from deadpool_megatron.control.auth import SignedStore, new_token
+    from deadpool_megatron.control.sockets import store_server
+    from deadpool_megatron.faults.job import InjectError, JobControl
+    from deadpool_megatron.faults.remote import new_requests
+
+    server = store_server("127.0.0.1", 0, timeout_s=30)
+    token = new_token()
+    with pytest.raises(InjectError, match="no launch/layout after 1 s"):
+        JobControl("127.0.0.1", server.port, token, timeout_s=1)
+    root = SignedStore(server, token)
+    root.set(keys.LAYOUT, json.dumps({"nnodes": 1, "nproc_per_node": 8,
+                                      "control_only": False, "shape": SHAPE.__dict__}))
+    root.set(keys.EPOCH, "0")
+    epoch = SignedStore(server, token, keys.epoch_prefix(0))
+    members = {r: f"w{r}" for r in range(8)}
+    members[5] = "s0.0"
+    epoch.set(keys.members(1), json.dumps(members))
+    epoch.set(keys.GENERATION, "1")
+    views = {w: {"g": 1, "it": 4 + (r == 3)} for r, w in members.items()}
+    epoch.set(keys.host_report(0), json.dumps({"seq": 1, "workers": views}))
+    with pytest.raises(InjectError, match="wrong job token"):
+        JobControl("127.0.0.1", server.port, new_token(), timeout_s=5)
+    job = JobControl("127.0.0.1", server.port, token, timeout_s=5)
+    assert job.wait_for(4, timeout_s=1).iteration == 4
+    with pytest.raises(InjectError, match="did not reach iteration 5"):
+        job.wait_for(5, timeout_s=0.2)
+    request, _ = job.inject("hang tp=1,pp=1,dp=0")  # rank 5 (tp fastest, then dp): a spare
+    assert (request.ranks, request.workers, request.delivery) == ([5], ["s0.0"], "signal")
+    assert json.loads(epoch.read(keys.signal_request("s0.0"))) == {"id": 1, "action": "hang"}
+    assert epoch.add(keys.KILLS, 0) == 1
+    request, _ = job.inject("raise node=0 iter=9")
+    assert request.workers == ["w0", "w1", "w2", "w3"] and request.delivery == "worker"
+    seen, requests = new_requests(epoch, 0)
+    assert seen == 2 and [r.spec for r in requests] == ["hang tp=1,pp=1,dp=0",
+                                                        "raise node=0 iter=9"]
+    with pytest.raises(FaultSpecError, match="rank 8 >= world size 8"):
+        job.inject("kill rank=8")
+    # A forged request (no job token) is skipped by every reader.
+    epoch.store.set(keys.inject_request(3), b"{}")  # the prefixed view, unsigned
+    epoch.add(keys.INJECTS, 1)
+    assert new_requests(epoch, 2) == (3, [])
+
+
+def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
+    """The worker's own launcher carries out a signal request: SIGSTOP here (hang), once
+    per request id, and nothing for a forged one."""
+    from deadpool_megatron.control.auth import SignedStore, new_token
+    from deadpool_megatron.control.sockets import store_server
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.workers import LocalWorkers, _os_state
+
+    server = store_server("127.0.0.1", 0, timeout_s=30)
+    store = SignedStore(server, new_token(), keys.epoch_prefix(0))
+    workers = LocalWorkers(LaunchConfig(nproc_per_node=2), ["sleep", "60"], store,
+                           server.port, 2, 0)
+    proc = subprocess.Popen(["sleep", "60"])
+    workers.procs = {"w1": proc}
+    try:
+        store.store.set(keys.signal_request("w1"), json.dumps({"id": 1, "action": "kill"}))
+        store.add(keys.KILLS, 1)
+        workers.poll()  # forged (unsigned): ignored
+        assert proc.poll() is None and _os_state(proc.pid) != "T"
+        store.set(keys.signal_request("w1"), json.dumps({"id": 2, "action": "hang"}))
+        store.add(keys.KILLS, 1)
+        workers.poll()
+        time.sleep(0.2)
+        assert _os_state(proc.pid) == "T"
+        os.kill(proc.pid, signal.SIGCONT)
+        store.add(keys.KILLS, 1)
+        workers.poll()  # the same request again: not resent
+        time.sleep(0.2)
+        assert _os_state(proc.pid) != "T"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        workers.stop(0)
