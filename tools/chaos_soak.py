@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--faults", type=int, default=6,
                    help="at most this many faults; the job gets as many spares")
-    p.add_argument("--mtbf", type=float, default=8.0, help="mean seconds between faults")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--mtbf", type=float, default=15.0, help="mean seconds between faults")
+    p.add_argument("--seed", type=int, default=3,
+                   help="3 draws 2 kills, 1 hang and 3 exceptions among the first six")
     p.add_argument("--actions", default="kill,hang,raise")
     p.add_argument("--quiet-iterations", type=int, default=3)
     p.add_argument("--progress-timeout", type=float, default=3.0,
