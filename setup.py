@@ -22,5 +22,6 @@ setup(
         "deadpool-launch=deadpool_megatron.launch.launcher:main",
         "deadpool-patch=deadpool_megatron.patching.cli:main",
         "deadpool-report=deadpool_megatron.metrics.cli:main",
+        "deadpool-inject=deadpool_megatron.faults.cli:main",
     ]},
 )

@@ -57,6 +57,20 @@ def kill_request(worker: str) -> str:
     return f"dp/kill/{worker}"  # host 0 asks the worker's host to SIGKILL it (hung)
 
 
+# deadpool-inject (faults/remote.py): a request per fault, then a counter bump; a signal
+# request per worker for its host's launcher (which wakes on KILLS).
+INJECT_IDS = "dp/inject_ids"  # counter: hands out request ids
+INJECTS = "dp/injects"  # counter: bumped after each inject_request is written
+
+
+def inject_request(request_id: int) -> str:
+    return f"dp/inject/{request_id}"  # json, see faults/remote.py
+
+
+def signal_request(worker: str) -> str:
+    return f"dp/signal/{worker}"  # json {id, signal}: the worker's launcher sends it
+
+
 def host_report(node: int) -> str:
     return f"dp/host/{node}"  # json {seq, workers: {id: progress view}}: heartbeat + progress
 
@@ -66,7 +80,9 @@ def node_spares(node: int) -> str:
 
 
 # -- keys outside every epoch: the launchers' own lifecycle -----------------------------
-LAYOUT = "launch/layout"  # json {nnodes, nproc_per_node, control_only}, set by host 0
+# json {nnodes, nproc_per_node, control_only, shape}, set by host 0; shape: {world, tp, pp,
+# cp, ranks_per_node}, what deadpool-inject resolves a target with
+LAYOUT = "launch/layout"
 EPOCH = "launch/epoch"  # the current epoch (a whole-job restart opens the next)
 END = "launch/end"  # the job's exit status, set once by host 0
 

@@ -15,6 +15,9 @@ from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.faults")
 COMMIT_WAIT_S = 60.0  # a wait=commit fault fires anyway (with a warning) after this
+# The phases of the training loop's hooks, where a fault without phase= (deadpool-inject)
+# fires: the next one after the iteration boundary where it was learnt.
+LOOP_PHASES = ("forward", "microbatch", "backward", "reduction", "optimizer", "step")
 
 
 class InjectedFault(RuntimeError):
@@ -31,10 +34,45 @@ class FaultInjector:
         self._events = events
         self._fired: set[int] = set()
         self._committed: Callable[[], int | None] = lambda: None
+        self._control = None  # (SignedStore, worker id): deadpool-inject's requests
+        self._requests_seen = 0
 
     def follow_commits(self, committed: Callable[[], int | None]) -> None:
         """Where wait=commit faults read this rank's newest committed snapshot."""
         self._committed = committed
+
+    def follow_control(self, store, worker: str) -> None:
+        """Also fire the faults deadpool-inject aims at this worker (faults/remote.py),
+        read from the control plane at each iteration boundary."""
+        self._control = (store, worker)
+
+    def learn(self, iteration: int) -> None:
+        """Take the new deadpool-inject requests for this worker (one counter read)."""
+        if self._control is None:
+            return
+        from deadpool_megatron.faults.remote import new_requests
+
+        store, worker = self._control
+        try:
+            self._requests_seen, requests = new_requests(store, self._requests_seen)
+        except Exception as err:  # noqa: BLE001 - the control plane's loss is handled elsewhere
+            log.debug("rank %d: could not read fault requests: %s", self._rank, err)
+            return
+        for request in requests:
+            if worker not in request.workers or request.delivery != "worker":
+                continue
+            fault = request.fault
+            if fault.iteration is not None and fault.iteration < iteration:
+                log.warning("rank %d: deadpool-inject #%d '%s' names iteration %d, already "
+                            "done (now %d); ignored", self._rank, request.id, fault,
+                            fault.iteration, iteration)
+                if self._events is not None:
+                    self._events.emit("fault_expired", fault=str(fault), request=request.id,
+                                      iteration=iteration)
+                continue
+            log.warning("rank %d: deadpool-inject #%d: '%s' armed", self._rank, request.id,
+                        fault)
+            self._faults.append(fault)
 
     def hooks(self) -> TrainingHooks:
         """The training-loop side: forward, backward and optimizer phases."""
@@ -42,7 +80,9 @@ class FaultInjector:
 
     def pending(self, phase: str, iteration: int) -> FaultSpec | None:
         for i, f in enumerate(self._faults):
-            if i not in self._fired and f.phase == phase and f.iteration == iteration:
+            if i in self._fired or f.iteration not in (iteration, None):
+                continue
+            if f.phase == phase or f.phase is None and phase in LOOP_PHASES:
                 return f
         return None
 
@@ -51,7 +91,8 @@ class FaultInjector:
         fault = self.pending(phase, iteration)
         if fault is None:
             return None
-        self._fired.add(self._faults.index(fault))
+        self._fired.add(next(i for i, f in enumerate(self._faults)
+                             if f is fault and i not in self._fired))
         if fault.after_commit:
             self._wait_for_commit(iteration - 1)
         log.warning("injecting fault on rank %d: %s", self._rank, fault)
@@ -63,6 +104,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
         elif fault.action == "raise":
             raise InjectedFault(f"injected fault on rank {self._rank}: {fault}")
         return fault
@@ -80,6 +123,9 @@ class FaultInjector:
 class _FaultHooks(TrainingHooks):
     def __init__(self, injector: FaultInjector) -> None:
         self.injector = injector
+
+    def on_iteration_start(self, state: LoopState) -> None:
+        self.injector.learn(state.iteration + 1)
 
     def on_phase(self, phase: str, state: LoopState) -> None:
         # `state.iteration` counts completed iterations; faults name the running one.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from deadpool_megatron.topology import ParallelSizes, coord_of, node_of
 
-ACTIONS = ("kill", "hang", "raise", "corrupt")
+ACTIONS = ("kill", "hang", "raise", "corrupt", "term")
 # 'reduction' fires once the data-parallel gradient reduction is about to begin (after the
 # barrier: every peer is reducing); 'optimizer' just before the optimizer step; 'groups'
 # while generation iter=N creates its process groups (the default one made, Megatron's
@@ -26,8 +26,10 @@ class FaultSpecError(ValueError):
 @dataclass(frozen=True)
 class FaultSpec:
     action: str
-    iteration: int  # the iteration during which it fires (1-based, as logged)
-    phase: str
+    # The iteration during which it fires (1-based, as logged); None (deadpool-inject only):
+    # the next one.
+    iteration: int | None
+    phase: str | None  # None (deadpool-inject only): the next phase of the training loop
     rank: int | None = None
     node: int | None = None
     coord: tuple[tuple[str, int], ...] | None = None  # partial coordinate, e.g. (("tp", 1),)
@@ -42,8 +44,11 @@ class FaultSpec:
             target = f"node={self.node}"
         else:
             target = ",".join(f"{k}={v}" for k, v in self.coord or ())
+        when = "".join(f" {key}={value}" for key, value in (("iter", self.iteration),
+                                                             ("phase", self.phase))
+                       if value is not None)
         wait = " wait=commit" if self.after_commit else ""
-        return f"{self.action} {target} iter={self.iteration} phase={self.phase}{wait}"
+        return f"{self.action} {target}{when}{wait}"
 
 
 USAGE = ("expected 'ACTION TARGET iter=N phase=PHASE' with ACTION in "
@@ -62,7 +67,9 @@ def _int(text: str, what: str, spec: str) -> int:
     return value
 
 
-def parse_fault(spec: str) -> FaultSpec:
+def parse_fault(spec: str, when_required: bool = True) -> FaultSpec:
+    """`when_required=False` (deadpool-inject into a running job): iter= and phase= may be
+    left out, meaning the next iteration or phase."""
     words = spec.split()
     if not words or words[0] not in ACTIONS:
         raise FaultSpecError(f"--deadpool-inject {spec!r}: {USAGE}")
@@ -94,8 +101,13 @@ def parse_fault(spec: str) -> FaultSpec:
     targets = ("rank" in fields) + ("node" in fields) + bool(coord)
     if targets != 1:
         raise FaultSpecError(f"--deadpool-inject {spec!r}: name exactly one target; {USAGE}")
-    if "iteration" not in fields or "phase" not in fields:
+    if fields["action"] == "term" and when_required:
+        raise FaultSpecError(f"--deadpool-inject {spec!r}: term is for deadpool-inject (a "
+                             f"SIGTERM delivered by the worker's launcher); {USAGE}")
+    if when_required and ("iteration" not in fields or "phase" not in fields):
         raise FaultSpecError(f"--deadpool-inject {spec!r}: iter= and phase= are required; {USAGE}")
+    fields.setdefault("iteration", None)
+    fields.setdefault("phase", None)
     if fields["action"] == "corrupt" and fields["phase"] != "snapshot":
         raise FaultSpecError(f"--deadpool-inject {spec!r}: corrupt applies to phase=snapshot")
     if fields.get("after_commit") and fields["phase"] == "snapshot":

@@ -57,6 +57,7 @@ class Coordinator:
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.declare_at = 0.0
         self._exits_seen = 0
+        self._injects_seen = 0
         self._next_scan = 0.0
         self._host_seq: dict[int, tuple[int, float]] = {}  # host -> (report seq, seen at)
         self._join_deadline = time.monotonic() + cfg.join_timeout
@@ -90,8 +91,20 @@ class Coordinator:
                 raise EpochEnded(STOPPED, f"host {stopping}'s launcher was asked to stop "
                                           f"(SIGTERM)", flush=True)
             self._scan_hosts(now)
+            self._note_injections()
         if self.failed and now >= self.declare_at:
             self._declare()
+
+    def _note_injections(self) -> None:
+        """Log each deadpool-inject request as an event of the job (faults/remote.py)."""
+        from deadpool_megatron.faults.remote import new_requests
+
+        self._injects_seen, requests = new_requests(self.store, self._injects_seen)
+        for r in requests:
+            self.events.emit("fault_requested", request=r.id, fault=r.spec, ranks=r.ranks,
+                             workers=r.workers, generation=r.generation, delivery=r.delivery)
+            log.warning("deadpool-launch: deadpool-inject #%d: '%s' on ranks %s (workers %s)",
+                        r.id, r.spec, r.ranks, r.workers)
 
     def _discover_spares(self) -> None:
         """Spares join as each host's launcher registers them (hosts start at any time)."""

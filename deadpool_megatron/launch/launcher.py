@@ -30,6 +30,7 @@ from deadpool_megatron.config import add_arguments, from_namespace
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
 from deadpool_megatron.control.sockets import is_loopback, store_server
+from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError, script_backend
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded
 from deadpool_megatron.launch.workers import LocalWorkers
@@ -139,7 +140,8 @@ class Launcher:
             self.control = SignedStore(self.root, self.token)
             self.control.set(keys.LAYOUT, json.dumps(
                 {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
-                 "control_only": cfg.control_only}))
+                 "control_only": cfg.control_only,
+                 "shape": job_shape(self.cmd, cfg.world_size, self.ranks_per_node)}))
             if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
                 log.warning("deadpool-launch: host 0 listens on %s only (--master-addr), a "
                             "loopback address: hosts on other machines cannot reach it; pass "

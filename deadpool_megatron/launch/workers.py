@@ -47,6 +47,7 @@ class LocalWorkers:
         self.reported: set[str] = set()
         self._kills_seen = 0
         self._kill_at: dict[str, float] = {}
+        self._signals_sent: set[tuple[str, int]] = set()  # (worker, deadpool-inject id)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.progress_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
         self._seq = 0
@@ -108,6 +109,7 @@ class LocalWorkers:
                                 worker, why.decode(errors="replace"))
                     proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack
                     self._kill_at[worker] = time.monotonic() + DUMP_BEFORE_KILL_S
+            self._injected_signals()
         now = time.monotonic()
         for worker, at in list(self._kill_at.items()):
             if now >= at:
@@ -118,6 +120,28 @@ class LocalWorkers:
             self._seq += 1
             self.store.set(keys.host_report(self.cfg.node_rank),
                            json.dumps({"seq": self._seq, "workers": self.views()}))
+
+    def _injected_signals(self) -> None:
+        """Send the signals deadpool-inject asked for (faults/remote.py), once each."""
+        from deadpool_megatron.faults.remote import SIGNALS
+
+        for worker, proc in self.procs.items():
+            raw = None if proc.poll() is not None \
+                else self.store.read(keys.signal_request(worker))
+            try:
+                request = json.loads(raw) if raw is not None else None
+                sent = (worker, int(request["id"])) if request is not None else None
+                signum = SIGNALS[request["action"]] if request is not None else None
+            except (ValueError, KeyError, TypeError):
+                log.warning("deadpool-launch: ignored a malformed signal request for %s: %r",
+                            worker, raw[:80])
+                continue
+            if sent is None or sent in self._signals_sent:
+                continue
+            self._signals_sent.add(sent)
+            log.warning("deadpool-launch: deadpool-inject #%d: %s to worker %s (pid %d)",
+                        sent[1], signal.Signals(signum).name, worker, proc.pid)
+            proc.send_signal(signum)
 
     def views(self) -> dict[str, dict]:
         """What host 0's hang analysis needs of each live worker (control/hang.py)."""

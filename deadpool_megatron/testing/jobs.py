@@ -11,10 +11,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from deadpool_megatron.control.sockets import store_server
 
@@ -129,11 +130,13 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
 
 def run_launched(launch_args: Sequence[str], script_args: Sequence[str], log_dir: Path,
                  timeout_s: float = 400.0, env: dict[str, str] | None = None,
-                 script: Path = PRETRAIN_GPT, term_at: str | None = None) -> JobResult:
+                 script: Path = PRETRAIN_GPT, term_at: str | None = None,
+                 on_port: Callable[[int], None] | None = None) -> JobResult:
     """Run a job under one deadpool-launch; its combined output is logs[0]. term_at: send
-    SIGTERM to the launcher and its workers when this text appears in the output."""
+    SIGTERM to the launcher and its workers when this text appears in the output. on_port:
+    see run_hosts."""
     return run_hosts([list(launch_args)], script_args, log_dir, timeout_s, env, script,
-                     term_host=(0, term_at) if term_at else None)
+                     term_host=(0, term_at) if term_at else None, on_port=on_port)
 
 
 PORT = re.compile(r"control plane on [^:\s]+:(\d+)")
@@ -155,7 +158,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
               script: Path = PRETRAIN_GPT,
               kill_host: tuple[int, str, float] | None = None,
               freeze_host: tuple[int, str, str] | None = None,
-              term_host: tuple[int, str] | None = None) -> JobResult:
+              term_host: tuple[int, str] | None = None,
+              on_port: Callable[[int], None] | None = None) -> JobResult:
     """One deadpool-launch per simulated host on this machine, as under Slurm: host 0 picks
     a free control-plane port, which the others are then given (no free-port race).
     logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
@@ -164,8 +168,10 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     freeze_host=(h, text, thaw): SIGSTOP host h's launcher and workers when `text` appears
     in its log, SIGCONT them when `thaw` appears in host 0's (a host cut off for a while).
     term_host=(h, text): SIGTERM to host h's launcher and workers when `text` appears in its
-    log (a scheduler stopping the job). Every launcher is killed, with its workers, at the
-    deadline."""
+    log (a scheduler stopping the job). on_port(port): called in a thread of its own once
+    host 0 printed its control-plane port (e.g. to inject faults from outside with
+    deadpool-inject; it must bound its own waits). Every launcher is killed, with its
+    workers, at the deadline."""
     log_dir.mkdir(parents=True, exist_ok=True)
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
     paths = [log_dir / ("launcher.log" if len(hosts) == 1 else f"host{h}.log")
@@ -175,6 +181,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     start = time.monotonic()
     deadline = start + timeout_s
     timed_out, killed_at, frozen, termed = False, None, None, False
+    outside: threading.Thread | None = None
 
     def launch(h: int, port_args: list[str]) -> None:
         procs.append(subprocess.Popen(
@@ -188,7 +195,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
             multi += ["--job-token-file", str(job_token_file(log_dir))]
         launch(0, [*multi, "--node-rank", "0"] if multi else [])
         port = None
-        while port is None and len(hosts) > 1:
+        while port is None and (len(hosts) > 1 or on_port is not None):
             found = PORT.search(paths[0].read_text(errors="replace"))
             port = found.group(1) if found else None
             if procs[0].poll() is not None or time.monotonic() > deadline:
@@ -197,6 +204,9 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
             time.sleep(0.05)
         for h in range(1, len(hosts) if port else 0):
             launch(h, [*multi, "--node-rank", str(h), "--master-port", port])
+        if on_port is not None and port is not None:
+            outside = threading.Thread(target=on_port, args=(int(port),), daemon=True)
+            outside.start()
         while any(p.poll() is None for p in procs) and not timed_out:
             if time.monotonic() > deadline:
                 timed_out = True
@@ -219,6 +229,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
                 frozen = False
             time.sleep(0.05)
     finally:
+        if outside is not None:
+            outside.join(timeout=60)
         for proc in procs:
             if frozen:
                 os.killpg(proc.pid, signal.SIGCONT)

@@ -210,6 +210,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     mine = [] if ctl.is_spare or not first_epoch else [
         f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
     injector = FaultInjector(mine, rank, events)
+    injector.follow_control(ctl.store, ctl.worker)  # deadpool-inject (faults/remote.py)
     member = Member(cfg=cfg, ft=ft, ctl=ctl, rank=rank, world=world,
                     cpu_rehearsal=cpu_rehearsal, events=events,
                     engine=SnapshotEngine(cfg, ft, injector, events, device),

@@ -1,0 +1,112 @@
+"""Faults injected into a running job through its control plane (deadpool-inject).
+
+A request is a signed JSON value under the current epoch's prefix, `dp/inject/<id>`, then a
+bump of `dp/injects`. Its target is resolved by the injector against the current
+generation's members, so it names worker processes, not ranks: after a hot swap, rank 5 may
+be a spare. Two deliveries:
+- `signal` (kill, term, hang with neither iter= nor phase=): a signal request per worker,
+  `dp/signal/<worker>`, that the launcher of the host running that worker carries out (it
+  wakes on the kill counter, as for host 0's kill requests);
+- `worker` (raise, and anything with iter= or phase=): the worker's own FaultInjector reads
+  new requests at each iteration boundary (one counter read per iteration, none per
+  micro-batch) and fires them like a --deadpool-inject fault.
+Host 0's coordinator logs each request as a `fault_requested` event.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import asdict, dataclass
+
+from deadpool_megatron.control import keys
+from deadpool_megatron.faults.spec import FaultSpec, FaultSpecError, parse_fault, target_ranks
+from deadpool_megatron.topology import ParallelSizes
+
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP}
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What host 0's launcher publishes so a target can be resolved from outside."""
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    ranks_per_node: int
+
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes.from_world(self.world, self.tp, self.pp, self.cp)
+
+
+@dataclass(frozen=True)
+class InjectRequest:
+    id: int
+    spec: str  # as given, in the --deadpool-inject grammar (iter=/phase= optional)
+    ranks: list[int]
+    workers: list[str]  # the current members holding those ranks
+    generation: int  # the generation they were resolved against
+    delivery: str  # "signal" (the workers' launchers) or "worker" (their FaultInjector)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "InjectRequest":
+        data = json.loads(raw)
+        return cls(id=int(data["id"]), spec=str(data["spec"]),
+                   ranks=[int(r) for r in data["ranks"]],
+                   workers=[str(w) for w in data["workers"]],
+                   generation=int(data["generation"]), delivery=str(data["delivery"]))
+
+    @property
+    def fault(self) -> FaultSpec:
+        return parse_fault(self.spec, when_required=False)
+
+
+def job_shape(script_args: list[str], world: int, ranks_per_node: int) -> dict:
+    """The shape host 0 publishes, from the training script's own flags."""
+    def flag(name: str) -> int:
+        if name in script_args[:-1]:
+            return int(script_args[script_args.index(name) + 1])
+        return 1
+
+    return asdict(JobShape(world=world, tp=flag("--tensor-model-parallel-size"),
+                           pp=flag("--pipeline-model-parallel-size"),
+                           cp=flag("--context-parallel-size"), ranks_per_node=ranks_per_node))
+
+
+def delivery_of(fault: FaultSpec) -> str:
+    if fault.action == "corrupt":
+        raise FaultSpecError(f"'{fault}': corrupt applies to a snapshot being taken; use it "
+                             "with --deadpool-inject at launch")
+    now = fault.iteration is None and fault.phase is None and not fault.after_commit
+    return "signal" if now and fault.action in SIGNALS else "worker"
+
+
+def resolve(fault: FaultSpec, shape: JobShape, members: dict[int, str]) -> list[int]:
+    """The ranks the fault hits (errors name what is out of range)."""
+    ranks = target_ranks(fault, shape.sizes(), shape.ranks_per_node)
+    missing = [r for r in ranks if r not in members]
+    if missing:
+        raise FaultSpecError(f"'{fault}': ranks {missing} are not in the current membership")
+    return ranks
+
+
+def new_requests(store, seen: int) -> tuple[int, list[InjectRequest]]:
+    """The requests after id `seen` that are written (in order, stopping at the first one
+    not yet written), and the newest id read. One counter read when there are none."""
+    count = store.add(keys.INJECTS, 0)
+    out: list[InjectRequest] = []
+    while seen < count:
+        key = keys.inject_request(seen + 1)
+        if not store.check([key]):
+            break  # its writer bumped the counter first (another writer's id); next time
+        seen += 1
+        raw = store.read(key)  # None: not signed with the job token (logged by the store)
+        if raw is not None:
+            try:
+                out.append(InjectRequest.from_json(raw))
+            except (ValueError, KeyError, TypeError):
+                pass
+    return seen, out

@@ -1,0 +1,36 @@
+"""Issue 14, part 4: the chaos soak's short version. Random kills, hangs and exceptions are
+injected from outside a running job (deadpool-inject --chaos, one at a time, each after the
+job recovered from the last); it must end with the failure-free fingerprint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.fault_matrix]
+
+
+def test_short_chaos_soak(tmp_path: Path) -> None:
+    # Seed 8 draws one fault of each action (hang rank=2, kill rank=1, raise rank=3); 40
+    # iterations leave room for all three and their recoveries.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "chaos_soak.py"), "--iters", "40", "--faults",
+         "3", "--mtbf", "2", "--seed", "8", "--quiet-iterations", "2", "--timeout", "400",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-6000:]
+    summary = json.loads(out[out.index("{"):])
+    assert summary["fingerprint_match"], summary
+    assert summary["faults_injected"] == 3, summary
+    assert set(summary["by_action"]) == {"kill", "hang", "raise"}, summary
+    assert summary["recoveries"] == 3 and summary["ranks_replaced"] == 3, summary
+    # The chaos log replays: each line names the fault and the iteration it came at.
+    lines = (tmp_path / "chaos.jsonl").read_text().splitlines()
+    assert [json.loads(l)["spec"].split()[0] for l in lines] == \
+        [f.split()[0] for f in summary["faults"]]

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Chaos soak: a long TP2 x PP2 x DP2 job under random kills, hangs and exceptions injected
+from outside (deadpool-inject --chaos), which must end with the fingerprint of the same job
+run without failures.
+
+    .venv/bin/python tools/chaos_soak.py                      # 200 iterations, 6 faults
+    .venv/bin/python tools/chaos_soak.py --iters 40 --faults 2 --mtbf 4   # a short one
+
+Spares are not replenished (a spare that took a rank is a rank from then on), so the job gets
+as many spares as faults may be injected. Faults come one at a time: the next waits until
+the job has recovered and made --quiet-iterations more. It prints a JSON summary (faults
+injected by action, recoveries, wall time, both fingerprints) and exits 0 only if the
+fingerprints match; the chaos log (--out/chaos.jsonl) replays the same faults with
+`deadpool-inject --replay`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deadpool_megatron.testing.jobs import job_token_file, run_job, run_launched  # noqa: E402
+
+MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+         "--global-batch-size", "8", "--lr", "1e-3", "--lr-warmup-iters", "2",
+         "--seed", "1234"]
+NPROC = 8
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--faults", type=int, default=6,
+                   help="at most this many faults; the job gets as many spares")
+    p.add_argument("--mtbf", type=float, default=15.0, help="mean seconds between faults")
+    p.add_argument("--seed", type=int, default=3,
+                   help="3 draws 2 kills, 1 hang and 3 exceptions among the first six")
+    p.add_argument("--actions", default="kill,hang,raise")
+    p.add_argument("--quiet-iterations", type=int, default=3)
+    p.add_argument("--progress-timeout", type=float, default=3.0,
+                   help="the job's --deadpool-progress-timeout (how soon a hang is found)")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds per job")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "chaos_soak")
+    ns = p.parse_args(argv)
+    model = [*MODEL, "--train-iters", str(ns.iters)]
+    t0 = time.monotonic()
+    reference = run_job(NPROC, model, ns.out / "reference", timeout_s=ns.timeout)
+    if not reference.ok:
+        print(reference.describe(), file=sys.stderr)
+        return 1
+    job_dir = ns.out / "job"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    token = job_token_file(job_dir)
+    chaos_log = ns.out / "chaos.jsonl"
+    chaos_log.unlink(missing_ok=True)
+    chaos: list[subprocess.CompletedProcess] = []
+
+    def inject(port: int) -> None:
+        chaos.append(subprocess.run(
+            [sys.executable, str(REPO / "tools" / "inject_fault.py"), "--master-port",
+             str(port), "--job-token-file", str(token), "--chaos", "--mtbf", str(ns.mtbf),
+             "--seed", str(ns.seed), "--duration", str(ns.timeout), "--max-faults",
+             str(ns.faults), "--actions", ns.actions, "--quiet-iterations",
+             str(ns.quiet_iterations), "--after-iteration", "2", "--log", str(chaos_log),
+             "--wait-timeout", str(ns.timeout)],
+            capture_output=True, text=True, timeout=ns.timeout + 60, cwd=REPO))
+
+    events = job_dir / "events"
+    t_job = time.monotonic()
+    run = run_launched(
+        ["--nproc-per-node", str(NPROC), "--spares", str(ns.faults), "--logical-nodes", "2",
+         "--job-token-file", str(token)],
+        [*model, "--deadpool", "--deadpool-events", str(events),
+         "--deadpool-progress-timeout", str(ns.progress_timeout)],
+        job_dir, timeout_s=ns.timeout, env={"DEADPOOL_CONTROL_TIMEOUT_S": "120"},
+        on_port=inject)
+    job_s = time.monotonic() - t_job
+    injected = [json.loads(line) for line in chaos_log.read_text().splitlines()] \
+        if chaos_log.exists() else []
+    host0 = Path(f"{events}.rank-1")
+    declared = [json.loads(line) for line in host0.read_text().splitlines()
+                if '"generation_declared"' in line] if host0.exists() else []
+    summary = {
+        "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
+        "faults_injected": len(injected),
+        "by_action": dict(Counter(r["spec"].split()[0] for r in injected)),
+        "faults": [f"{r['spec']} (worker {','.join(r['workers'])}, iteration "
+                   f"{r['iteration']})" for r in injected],
+        "recoveries": len(declared),
+        "ranks_replaced": sum(len(d["failed_ranks"]) for d in declared),
+        "job_ok": run.ok, "job_wall_s": round(job_s, 1),
+        "total_wall_s": round(time.monotonic() - t0, 1),
+        "fingerprint_reference": reference.fingerprint, "fingerprint_job": run.fingerprint,
+        "fingerprint_match": run.ok and run.fingerprint == reference.fingerprint,
+        "chaos_rc": chaos[0].returncode if chaos else None, "out": str(ns.out),
+    }
+    print(json.dumps(summary, indent=1))
+    if not summary["fingerprint_match"]:
+        print(run.describe(), file=sys.stderr)
+        if chaos:
+            print(chaos[0].stderr[-3000:], file=sys.stderr)
+    return 0 if summary["fingerprint_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
