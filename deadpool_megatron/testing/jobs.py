@@ -20,9 +20,10 @@ from deadpool_megatron.control.sockets import store_server
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
-FINGERPRINT = re.compile(r"^state fingerprint: ([0-9a-f]{64})$", re.M)
+# Also as deadpool-launch's console shows them, after "[time worker] ".
+FINGERPRINT = re.compile(r"^(?:\[[^\]\n]*\] )?state fingerprint: ([0-9a-f]{64})$", re.M)
 LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*lm loss: ([0-9.E+-]+)")
-PARAM_NORM = re.compile(r"^parameter norm: ([0-9.e+-]+)$", re.M)
+PARAM_NORM = re.compile(r"^(?:\[[^\]\n]*\] )?parameter norm: ([0-9.e+-]+)$", re.M)
 
 
 @dataclass
