@@ -58,6 +58,17 @@ def test_a_held_warning_comes_out_when_its_copies_stop_coming() -> None:
     assert f.tick(5.0) == [] and f.tick(6.1) == [("w0", "state fingerprint: " + "ab" * 32)]
 
 
+def test_a_held_line_holds_back_no_other_and_a_repeat_extends_no_wait() -> None:
+    f = ConsoleFilter(hold_s=2.0, max_hold_s=5.0)
+    for w in ("w0", "w1"):
+        f.add_worker(w)
+    f.feed("w0", ["notice A"], now=0.0)
+    f.feed("w0", ["notice A"], now=1.9)  # the same worker again: still one copy, since 0.0
+    out = f.feed("w0", ["notice B"], now=1.9) + f.feed("w1", ["notice B"], now=1.95)
+    assert out == [("workers", "notice B (x2 workers)")]  # complete: not behind A
+    assert f.tick(2.05) == [("w0", "notice A")]
+
+
 def test_iteration_lines_become_status_lines_with_generation_and_spares() -> None:
     f = ConsoleFilter()
     job = JobView(generation=0, spares_left=2, declared_wall=0.0)
@@ -206,7 +217,8 @@ def test_a_launched_job_has_a_readable_console_and_keeps_every_line(tmp_path: Pa
     assert status[-1][1:] == ("1", "0"), console
     assert "lm loss:" not in console
     # The failure, its traceback, the replacement and the recovery's end.
-    assert re.search(r"\] rank 1 \(worker w1 on host 0\) exited with 1", console), console
+    assert re.search(r"launcher\] deadpool-launch: rank 1 \(worker w1 on host 0\) exited "
+                     r"with 1", console), console
     assert re.search(r"\[[\d :,-]+ w1\] Traceback \(most recent call last\):", console)
     assert re.search(r"w1\] \S*InjectedFault: injected fault on rank 1", console), console
     assert "generation 1: ranks [1] failed; spares {1: 's0.0'} take their places" in console

@@ -46,7 +46,7 @@ NUMBERED_NOTICE = re.compile(r"^\[[WIEF]\d{4} [\d:.]+ ")
 # A third-party line waits for its copies from the other workers until every worker sent
 # one, or none came for HOLD_S, or MAX_HOLD_S have passed since the first.
 HOLD_S = 2.0
-MAX_HOLD_S = 10.0
+MAX_HOLD_S = 5.0
 MAX_REMEMBERED = 10_000
 
 
@@ -213,18 +213,14 @@ class ConsoleFilter:
             self.shown[key] += 1
             return
         pending = self.pending.setdefault(key, _Pending(now, now, lines, set()))
-        pending.workers.add(worker)
-        pending.last_seen = now
+        if worker not in pending.workers:  # a worker repeating itself does not hold it back
+            pending.workers.add(worker)
+            pending.last_seen = now
 
     def tick(self, now: float) -> list[tuple[str, str]]:
         """Held lines whose copies are all in, or whose wait is over, in arrival order."""
-        out = []
-        while self.pending:
-            key, head = next(iter(self.pending.items()))
-            if not head.ready(now, self.expected, self.hold_s, self.max_hold_s):
-                break
-            out.append(self._show(key))
-        return out
+        return [self._show(key) for key, held in list(self.pending.items())
+                if held.ready(now, self.expected, self.hold_s, self.max_hold_s)]
 
     def _show(self, key: str) -> tuple[str, str]:
         head = self.pending.pop(key)
