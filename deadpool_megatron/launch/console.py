@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("deadpool_megatron.launch")
 MODES = ("status", "raw")
 POLL_S = 0.1  # how often the console reads the workers' new output
-READ_CHUNK = 1 << 20
 
 
 def epoch_dir(log_dir: str, epoch: int) -> str:
@@ -47,7 +46,7 @@ class _Follow:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                data = f.read(READ_CHUNK)
+                data = f.read()  # all of it: the console may lag, never drop lines
         except OSError:
             return []
         self.offset += len(data)
