@@ -49,6 +49,15 @@ class LaunchConfig:
         "File holding the job token (the same file on every host, readable by its owner "
         "only) that authenticates control-plane writes; needed with --nnodes > 1. A "
         "single-host job makes a random one."))
+    console: str = field(default="status", metadata=flag(
+        "What the console shows of the workers' output: status (a line per iteration, the "
+        "fault-tolerance events, every traceback, each warning repeated by the workers "
+        "once with a count) or raw (every line of every worker, as printed). Either way "
+        "each worker's full output is in --log-dir.", choices=["status", "raw"]))
+    log_dir: str | None = field(default=None, metadata=flag(
+        "Directory for each worker's full output (stdout and stderr), "
+        "LOG_DIR/epoch<N>/<worker>.log; default: a new directory under the system's "
+        "temporary directory, printed at start."))
 
     @property
     def first_training_host(self) -> int:

@@ -32,6 +32,7 @@ from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, r
 from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError, script_backend
+from deadpool_megatron.launch.console import Console, default_log_dir
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
@@ -69,6 +70,8 @@ class Launcher:
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
         self._wake: int | None = None  # read end of the SIGCHLD wake-up pipe
         self._stopping = False  # SIGTERM (a scheduler's preemption or time limit)
+        self.console = Console(cfg.console, cfg.log_dir or default_log_dir(cfg.node_rank),
+                               sys.stdout)
 
     def _cmd(self, epoch: int) -> list[str]:
         """Epochs after the first resume from the newest durable state under --save (a
@@ -100,7 +103,7 @@ class Launcher:
     def _workers(self, epoch: int) -> LocalWorkers:
         store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
-                            self.ranks_per_node, epoch)
+                            self.ranks_per_node, epoch, self.console.open_epoch(epoch))
 
     def _worker_port(self, epoch: int) -> int:
         """The store port the workers rendezvous on. With --deadpool, the control plane's
@@ -125,6 +128,13 @@ class Launcher:
         return value
 
     def run(self) -> int:
+        self.console.start()
+        try:
+            return self._run()
+        finally:
+            self.console.close()
+
+    def _run(self) -> int:
         cfg = self.cfg
         # A worker's death wakes the control loop at once, not at its next tick: SIGCHLD
         # writes a byte to a pipe the loop waits on.
@@ -198,6 +208,7 @@ class Launcher:
         coordinator = Coordinator(cfg, workers.store, self.ranks_per_node,
                                   self.allow_same_node, events, self.hot_swap)
         coordinator.open()
+        self.console.follow_job(coordinator)
         self.control.set(keys.EPOCH, str(epoch))  # the other hosts start their workers now
         spares = workers.start()
         log.info("deadpool-launch: epoch %d: %d workers on %d host(s) (%d per host, %d "

@@ -40,8 +40,9 @@ class LocalWorkers:
     """The processes this host started in one epoch, keyed by worker id."""
 
     def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: SignedStore,
-                 master_port: int, ranks_per_node: int, epoch: int) -> None:
+                 master_port: int, ranks_per_node: int, epoch: int, log_dir: str) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
+        self.log_dir = log_dir  # each worker's output: log_dir/<worker>.log (launch/console.py)
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
         self.procs: dict[str, subprocess.Popen] = {}
         self.reported: set[str] = set()
@@ -79,8 +80,11 @@ class LocalWorkers:
         return spares
 
     def _start(self, worker: str, rank: int | None, slot: int) -> None:
-        proc = subprocess.Popen(self.cmd, env=self._env(worker, rank, slot),
-                                stdin=subprocess.DEVNULL, preexec_fn=self._die_with_us)
+        # Into a file, not a pipe: a worker never waits for the launcher to read its output.
+        with open(os.path.join(self.log_dir, f"{worker}.log"), "ab") as out:
+            proc = subprocess.Popen(self.cmd, env=self._env(worker, rank, slot),
+                                    stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, preexec_fn=self._die_with_us)
         # Workers run one step below the launcher's priority: on a host whose cores the
         # training saturates, the control plane that turns a death into a declaration
         # must not queue behind it (any user may lower a child's priority).

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -21,18 +21,23 @@ from deadpool_megatron.control.sockets import store_server
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
-FINGERPRINT = re.compile(r"^state fingerprint: ([0-9a-f]{64})$", re.M)
+# Also as deadpool-launch's console shows them, after "[time worker] ".
+FINGERPRINT = re.compile(r"^(?:\[[^\]\n]*\] )?state fingerprint: ([0-9a-f]{64})$", re.M)
 LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*lm loss: ([0-9.E+-]+)")
-PARAM_NORM = re.compile(r"^parameter norm: ([0-9.e+-]+)$", re.M)
+PARAM_NORM = re.compile(r"^(?:\[[^\]\n]*\] )?parameter norm: ([0-9.e+-]+)$", re.M)
 
 
 @dataclass
 class JobResult:
+    """logs[h]: everything host h printed, as if every worker wrote to the console: its
+    launcher's own lines, then each worker's full log. consoles[h]: what host h's console
+    really showed (launch/console.py), for a launched job."""
     returncodes: list[int | None]
     logs: dict[int, str]
     log_dir: Path
     timed_out: bool
     elapsed_s: float
+    consoles: dict[int, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -63,6 +68,9 @@ class JobResult:
         for rank in sorted(self.logs):
             tail = "\n".join(self.logs[rank].splitlines()[-25:])
             parts.append(f"--- rank {rank} ---\n{tail}")
+        for host in sorted(self.consoles):
+            tail = "\n".join(self.consoles[host].splitlines()[-40:])
+            parts.append(f"--- host {host}'s console ---\n{tail}")
         return "\n".join(parts)
 
 
@@ -140,6 +148,24 @@ def run_launched(launch_args: Sequence[str], script_args: Sequence[str], log_dir
 
 
 PORT = re.compile(r"control plane on [^:\s]+:(\d+)")
+# A console line made from a worker's output (launch/console.py), not the launcher's own.
+FROM_WORKERS = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ (status|job|workers|[ws][\d.]+)\] ")
+
+
+def _worker_logs(directory: Path) -> list[Path]:
+    """Every worker log under a launcher's --log-dir, epoch by epoch, ranks in order."""
+    def order(path: Path) -> tuple:
+        epoch = int(path.parent.name.removeprefix("epoch") or 0)
+        name = path.stem
+        return (epoch, name[0] != "w", [int(n) for n in re.findall(r"\d+", name)])
+    return sorted(directory.glob("epoch*/*.log"), key=order)
+
+
+def _host_output(console: Path, workers: Path) -> str:
+    """The launcher's own lines and every worker's full log (see JobResult.logs)."""
+    own = "".join(line for line in console.read_text(errors="replace").splitlines(True)
+                  if not FROM_WORKERS.match(line))
+    return own + "".join(path.read_text(errors="replace") for path in _worker_logs(workers))
 
 
 def job_token_file(directory: Path) -> Path:
@@ -176,6 +202,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
     paths = [log_dir / ("launcher.log" if len(hosts) == 1 else f"host{h}.log")
              for h in range(len(hosts))]
+    worker_dirs = [log_dir / ("workers" if len(hosts) == 1 else f"host{h}-workers")
+                   for h in range(len(hosts))]
     files = [open(path, "w") for path in paths]
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
@@ -183,11 +211,15 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     timed_out, killed_at, frozen, termed = False, None, None, False
     outside: threading.Thread | None = None
 
+    def text(h: int) -> str:
+        return _host_output(paths[h], worker_dirs[h])
+
     def launch(h: int, port_args: list[str]) -> None:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "deadpool_megatron.launch", *hosts[h], *port_args,
-             str(script), *script_args], stdout=files[h], stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=run_env, cwd=str(REPO), start_new_session=True))
+             "--log-dir", str(worker_dirs[h]), str(script), *script_args], stdout=files[h],
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=run_env, cwd=str(REPO),
+            start_new_session=True))
 
     try:
         multi = ["--nnodes", str(len(hosts))] if len(hosts) > 1 else []
@@ -211,20 +243,20 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
             if time.monotonic() > deadline:
                 timed_out = True
             elif kill_host is not None and killed_at is None and \
-                    any(kill_host[1] in path.read_text(errors="replace") for path in paths):
+                    any(kill_host[1] in text(h) for h in range(len(paths))):
                 killed_at = time.monotonic() + kill_host[2]
             elif killed_at is not None and time.monotonic() >= killed_at:
                 _kill_group(procs[kill_host[0]])
                 killed_at = float("inf")
             elif freeze_host is not None and frozen is None and \
-                    freeze_host[1] in paths[freeze_host[0]].read_text(errors="replace"):
+                    freeze_host[1] in text(freeze_host[0]):
                 os.killpg(procs[freeze_host[0]].pid, signal.SIGSTOP)
                 frozen = True
             elif term_host is not None and not termed and \
-                    term_host[1] in paths[term_host[0]].read_text(errors="replace"):
+                    term_host[1] in text(term_host[0]):
                 os.killpg(procs[term_host[0]].pid, signal.SIGTERM)
                 termed = True
-            elif frozen and freeze_host[2] in paths[0].read_text(errors="replace"):
+            elif frozen and freeze_host[2] in text(0):
                 os.killpg(procs[freeze_host[0]].pid, signal.SIGCONT)
                 frozen = False
             time.sleep(0.05)
@@ -238,5 +270,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
         for f in files:
             f.close()
     return JobResult(returncodes=[p.returncode for p in procs],
-                     logs={h: path.read_text(errors="replace") for h, path in enumerate(paths)},
-                     log_dir=log_dir, timed_out=timed_out, elapsed_s=time.monotonic() - start)
+                     logs={h: text(h) for h in range(len(paths))},
+                     log_dir=log_dir, timed_out=timed_out, elapsed_s=time.monotonic() - start,
+                     consoles={h: path.read_text(errors="replace")
+                               for h, path in enumerate(paths)})
