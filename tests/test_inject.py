@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -290,6 +291,19 @@ def test_job_control_against_a_store_as_host_0_writes_it(tmp_path: Path) -> None
     assert new_requests(epoch, 2) == (3, [])
 
 
+def _state_within(pid: int, wanted: Callable[[str], bool], timeout_s: float) -> bool:
+    """Whether the process's state satisfies `wanted` within the bound (a signal takes
+    effect when the kernel next schedules the process)."""
+    from deadpool_megatron.launch.workers import _os_state
+
+    deadline = time.monotonic() + timeout_s
+    while not wanted(_os_state(pid)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
     """The worker's own launcher carries out a signal request: SIGSTOP here (hang), once
     per request id, and nothing for a forged one."""
@@ -301,7 +315,7 @@ def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
     server = store_server("127.0.0.1", 0, timeout_s=30)
     store = SignedStore(server, new_token(), keys.epoch_prefix(0))
     workers = LocalWorkers(LaunchConfig(nproc_per_node=2), ["sleep", "60"], store,
-                           server.port, 2, 0)
+                           server.port, 2, 0, str(tmp_path))
     proc = subprocess.Popen(["sleep", "60"])
     workers.procs = {"w1": proc}
     try:
@@ -312,9 +326,9 @@ def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
         store.set(keys.signal_request("w1"), json.dumps({"id": 2, "action": "hang"}))
         store.add(keys.KILLS, 1)
         workers.poll()
-        time.sleep(0.2)
-        assert _os_state(proc.pid) == "T"
+        assert _state_within(proc.pid, lambda s: s == "T", 30.0)  # stopped (loaded machine)
         os.kill(proc.pid, signal.SIGCONT)
+        assert _state_within(proc.pid, lambda s: s != "T", 30.0)
         store.add(keys.KILLS, 1)
         workers.poll()  # the same request again: not resent
         time.sleep(0.2)
