@@ -25,7 +25,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch.distributed as dist
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control.client import ControlClient

@@ -400,13 +400,11 @@ class SnapshotEngine(TrainingHooks):
             self.injector.fire("snapshot", job.iteration)
             own.flat[0] ^= 0xFF  # on the wire only: undone below, own CRC stays right
         t0 = time.perf_counter()
-        ok = True
         try:
             self.stats.verify_s += exchange(
                 links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
                 after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
         except TornTransfer as err:
-            ok = False
             self._report_torn(job.iteration, err)
         finally:
             if corrupt:
