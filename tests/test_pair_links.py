@@ -49,14 +49,22 @@ def _completes(order: dict[int, list[tuple[int, ...]]]) -> bool:
 
 
 @pytest.mark.parametrize("world, rpn", [(2, 1), (8, 4), (12, 4), (16, 2), (9, 3)])
-def test_only_pair_groups_in_a_deadlock_free_order(monkeypatch: pytest.MonkeyPatch,
-                                                   world: int, rpn: int) -> None:
+def test_only_pair_groups_made_alike_on_every_rank(monkeypatch: pytest.MonkeyPatch,
+                                                    world: int, rpn: int) -> None:
+    """Every rank makes the same two-rank gloo groups in the same order (torch then names
+    them alike on every rank, whatever groups each rank had before), each rank is in one or
+    two of them, and the members' part of that order completes."""
     calls = _creations(monkeypatch, world, rpn)
-    for made in calls.values():
-        assert 1 <= len(made) <= 2
-        for ranks, kw in made:
-            assert len(ranks) == 2 and kw["use_local_synchronization"] and kw["backend"] == "gloo"
-    assert _completes({r: [g for g, _ in made] for r, made in calls.items()})
+    first = calls[0]
+    for rank, made in calls.items():
+        assert made == first, rank
+        assert 1 <= sum(rank in ranks for ranks, _ in made) <= 2
+    for ranks, kw in first:
+        assert len(ranks) == 2 and kw["backend"] == "gloo"
+        assert not kw.get("use_local_synchronization"), "named by each member's group count"
+    assert len(first) <= world
+    member = {r: [g for g, _ in made if r in g] for r, made in calls.items()}
+    assert _completes(member)
 
 
 def test_ward_first_would_deadlock() -> None:

@@ -49,7 +49,7 @@ from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
                                                   exchange_int)
-from deadpool_megatron.topology import buddy_of, ward_of
+from deadpool_megatron.topology import buddy_of, snapshot_pairs, ward_of
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
@@ -142,18 +142,23 @@ class SnapshotEngine(TrainingHooks):
         one with the ward, of this rank's snapshots only (snapshot traffic never queues
         behind, or blocks, training's). No world-sized group: a world-sized gloo group is a
         full mesh, N^2 connections at every start and recovery; these are two per rank.
-        Only the members of a pair create it; every rank creates its pairs in one global
-        order (by their ranks), so no cycle of ranks waits on each other around the ring."""
+        Every rank walks every pair of the ring in one global order (by their ranks) and
+        only the two members connect: the order leaves no cycle of ranks waiting on each
+        other, and a group's name comes from torch's group counter, equal on every rank.
+        (Created by their members alone, a group's name would hash in how many groups each
+        member already has, which differs under Megatron-LM's own initialisation: the two
+        members then wait on different names until the timeout.)"""
         self.rank, world = dist.get_rank(), dist.get_world_size()
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
         links: dict[int, Any] = {}
-        for pair in sorted({tuple(sorted((self.rank, peer))) for peer in (self.ward, self.buddy)}):
+        for pair in snapshot_pairs(world, rpn, allow):
             group = dist.new_group(ranks=list(pair), backend="gloo", timeout=self.timeout,
-                                   group_desc=SNAPSHOT_GROUP, use_local_synchronization=True)
-            links.update({peer: group for peer in pair if peer != self.rank})
+                                   group_desc=SNAPSHOT_GROUP)
+            if self.rank in pair:
+                links.update({peer: group for peer in pair if peer != self.rank})
         self.pipe = _Pipeline(links=links)
 
     @property

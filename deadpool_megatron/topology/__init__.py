@@ -9,6 +9,7 @@ from deadpool_megatron.topology.buddy import (
     buddy_map,
     buddy_of,
     lost_shards,
+    snapshot_pairs,
     ward_of,
 )
 from deadpool_megatron.topology.coords import (
@@ -28,6 +29,7 @@ __all__ = [
     "Coord",
     "ParallelSizes",
     "SameNodeBuddyError",
+    "snapshot_pairs",
     "buddy_map",
     "buddy_of",
     "coord_of",

@@ -82,6 +82,16 @@ def buddy_map(world_size: int, ranks_per_node: int, allow_same_node: bool = Fals
     return [(r + shift) % world_size for r in range(world_size)]
 
 
+def snapshot_pairs(world_size: int, ranks_per_node: int,
+                   allow_same_node: bool = False) -> list[tuple[int, int]]:
+    """Every (rank, buddy) pair of the ring as (lower, higher), sorted, without repeats:
+    the order in which every rank creates the two-rank snapshot groups (a rank with
+    buddy == ward, as with two nodes, has one pair; a single rank has none)."""
+    return sorted({(min(r, b), max(r, b))
+                   for r, b in enumerate(buddy_map(world_size, ranks_per_node, allow_same_node))
+                   if r != b})
+
+
 def lost_shards(
     failed_ranks: Iterable[int],
     world_size: int,
