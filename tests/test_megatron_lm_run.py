@@ -159,7 +159,8 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     script = patched_tree / "pretrain_gpt.py"
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
-        tmp_path / "launch" / "launcher.log", "saved checkpoint from iteration       2 ", script,
+        tmp_path / "launch" / "workers" / "epoch0" / "w0.log",  # direct, not the console's
+        "saved checkpoint from iteration       2 ", script,
         5, stop, killed))
     killer.start()
     try:

@@ -148,9 +148,9 @@ class RewindRehearsal(TrainingHooks):
                                f"held for rank {engine.ward}")
         outgoing = engine.ward_buffer.find(max(held))
         incoming = engine.own.loose_slot()
-        exchange(engine.group, outgoing, engine.ward, incoming, engine.buddy,
+        exchange(engine.links, outgoing, engine.ward, incoming, engine.buddy,
                  chunk_bytes=engine.chunk_bytes)
-        if not incoming.verify() or incoming.iteration != max(held):
+        if not incoming.check() or incoming.iteration != max(held):
             raise RuntimeError(f"rank {engine.rank}: the buddy's copy of snapshot {max(held)} "
                                f"did not arrive whole")
         return incoming
