@@ -12,16 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-# The 3D-parallel job most tests use: 8 ranks, distributed optimizer, dropout on (so RNG
-# state matters), a few dozen iterations.
-GPT_3D_ARGS = [
-    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-    "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
-    "--lr-warmup-iters", "2", "--seed", "1234",
-]
+from deadpool_megatron.testing.jobs import GPT_3D_ARGS  # noqa: E402,F401  (tests import it from here)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -27,14 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deadpool_megatron.testing.jobs import job_token_file, run_job, run_launched  # noqa: E402
+from deadpool_megatron.testing.jobs import (GPT_3D_ARGS, job_token_file, run_job,  # noqa: E402
+                                            run_launched)  # noqa: E402
 
-MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-         "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
-         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--lr", "1e-3", "--lr-warmup-iters", "2",
-         "--seed", "1234"]
+MODEL = GPT_3D_ARGS  # the tests' 8-rank TP2 x PP2 x DP2 job
 NPROC = 8
 
 

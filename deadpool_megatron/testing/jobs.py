@@ -21,6 +21,17 @@ from deadpool_megatron.control.sockets import store_server
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
+# The 3D-parallel job most tests use: 8 ranks, distributed optimizer, dropout on (so RNG
+# state matters), a few dozen iterations.
+GPT_3D_ARGS = [
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
+    "--lr-warmup-iters", "2", "--seed", "1234",
+]
+
 # Also as deadpool-launch's console shows them, after "[time worker] ".
 FINGERPRINT = re.compile(r"^(?:\[[^\]\n]*\] )?state fingerprint: ([0-9a-f]{64})$", re.M)
 LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*lm loss: ([0-9.E+-]+)")
