@@ -86,30 +86,73 @@ class _Store:
             self.add(keys.INJECTS, 1)
 
 
+def _nudge() -> None:
+    """What the worker's launcher sends (remote.NUDGE); the handler runs in this (main)
+    thread at the next bytecode boundary."""
+    from deadpool_megatron.faults.remote import NUDGE
+
+    os.kill(os.getpid(), NUDGE)
+    time.sleep(0.01)
+
+
 def test_a_worker_arms_the_requests_aimed_at_it_at_an_iteration_boundary() -> None:
     store = _Store()
     injector = FaultInjector([], rank=3)
-    injector.follow_control(store, "s0.1")
-    store.request(1, "raise rank=3", ["s0.1"])
-    store.request(2, "raise rank=4 iter=9", ["w4"])  # another worker's
-    store.request(3, "kill rank=3", ["s0.1"], delivery="signal")  # its launcher's
-    store.request(4, "raise rank=3 iter=2", ["s0.1"])  # already past at iteration 5
-    assert injector.pending("forward", 5) is None  # nothing read yet: no round trip here
-    injector.learn(5)
-    assert str(injector.pending("forward", 5)) == "raise rank=3"
-    assert injector.pending("snapshot", 5) is None  # only the training loop's phases
-    with pytest.raises(RuntimeError, match="injected fault on rank 3"):
-        injector.fire("forward", 5)
-    assert injector.pending("forward", 6) is None  # fired once
-    # An id handed out but not yet written stops the read there, until it is written.
-    store.add(keys.INJECTS, 1)
-    store.request(6, "raise rank=3 iter=7 phase=backward", ["s0.1"])
-    injector.learn(6)
-    assert injector.pending("backward", 7) is None
-    store.request(5, "raise rank=3 iter=7 phase=forward", ["s0.1"], bump=False)
-    injector.learn(6)
-    assert str(injector.pending("forward", 7)) == "raise rank=3 iter=7 phase=forward"
-    assert str(injector.pending("backward", 7)) == "raise rank=3 iter=7 phase=backward"
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        injector.follow_control(store, "s0.1")
+        store.request(1, "raise rank=3", ["s0.1"])
+        store.request(2, "raise rank=4 iter=9", ["w4"])  # another worker's
+        store.request(3, "kill rank=3", ["s0.1"], delivery="signal")  # its launcher's
+        store.request(4, "raise rank=3 iter=2", ["s0.1"])  # already past at iteration 5
+        assert injector.pending("forward", 5) is None  # nothing read yet: no round trip here
+        injector.learn(5)  # the first boundary reads, nudged or not
+        assert str(injector.pending("forward", 5)) == "raise rank=3"
+        assert injector.pending("snapshot", 5) is None  # only the training loop's phases
+        with pytest.raises(RuntimeError, match="injected fault on rank 3"):
+            injector.fire("forward", 5)
+        assert injector.pending("forward", 6) is None  # fired once
+        # Without a nudge from the launcher the store is not read at all.
+        store.request(5, "raise rank=3 iter=7 phase=forward", ["s0.1"])
+        calls: list[str] = []
+        store.add = lambda key, amount, add=store.add: calls.append(key) or add(key, amount)
+        injector.learn(6)
+        assert calls == [] and injector.pending("forward", 7) is None
+        _nudge()
+        injector.learn(6)
+        assert calls == [keys.INJECTS]
+        assert str(injector.pending("forward", 7)) == "raise rank=3 iter=7 phase=forward"
+        # An id handed out but not yet written stops the read there; the worker looks
+        # again at each boundary (no new nudge needed) until it is written.
+        store.add(keys.INJECTS, 1)
+        store.request(7, "raise rank=3 iter=8 phase=backward", ["s0.1"])
+        _nudge()
+        injector.learn(7)
+        assert injector.pending("backward", 8) is None
+        store.request(6, "raise rank=3 iter=8 phase=forward", ["s0.1"], bump=False)
+        injector.learn(7)
+        assert str(injector.pending("forward", 8)) == "raise rank=3 iter=8 phase=forward"
+        assert str(injector.pending("backward", 8)) == "raise rank=3 iter=8 phase=backward"
+        calls.clear()
+        injector.learn(8)  # all read: quiet again
+        assert calls == []
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_an_id_never_written_is_skipped_after_the_grace() -> None:
+    """A deadpool-inject that died between taking an id and writing its request must not
+    stall the readers for good."""
+    from deadpool_megatron.faults.remote import RequestReader
+
+    store = _Store()
+    reader = RequestReader()
+    store.add(keys.INJECTS, 1)  # id 1 handed out, never written
+    store.request(2, "raise rank=3 iter=9", ["w3"])
+    assert reader.read(store, now=100.0) == [] and reader.waiting
+    assert reader.read(store, now=100.0 + RequestReader.GAP_GRACE_S - 0.1) == []
+    later = reader.read(store, now=100.0 + RequestReader.GAP_GRACE_S)
+    assert [r.id for r in later] == [2] and not reader.waiting and reader.seen == 2
 
 
 # -- real jobs -----------------------------------------------------------------------------
@@ -197,6 +240,8 @@ def test_inject_by_coordinate_at_an_iteration(tmp_path: Path,
     assert request["delivery"] == "worker" and len(request["ranks"]) == 1, request
     rank = request["ranks"][0]
     assert run.ok, run.describe()
+    # Its launcher nudged it; the worker read the store then (not every iteration).
+    assert f"deadpool-inject #1: nudging worker w{rank}" in run.output, run.describe()
     assert run.fingerprint == failure_free_8.fingerprint, run.describe()
     ev = _events(events)
     fired = [e for e in ev if e["event"] == "fault_injected"]
@@ -251,7 +296,7 @@ def test_job_control_against_a_store_as_host_0_writes_it(tmp_path: Path) -> None
     from deadpool_megatron.control.auth import SignedStore, new_token
     from deadpool_megatron.control.sockets import store_server
     from deadpool_megatron.faults.job import InjectError, JobControl
-    from deadpool_megatron.faults.remote import new_requests
+    from deadpool_megatron.faults.remote import RequestReader
 
     server = store_server("127.0.0.1", 0, timeout_s=30)
     token = new_token()
@@ -280,15 +325,16 @@ def test_job_control_against_a_store_as_host_0_writes_it(tmp_path: Path) -> None
     assert epoch.add(keys.KILLS, 0) == 1
     request, _ = job.inject("raise node=0 iter=9")
     assert request.workers == ["w0", "w1", "w2", "w3"] and request.delivery == "worker"
-    seen, requests = new_requests(epoch, 0)
-    assert seen == 2 and [r.spec for r in requests] == ["hang tp=1,pp=1,dp=0",
+    reader = RequestReader()
+    requests = reader.read(epoch)
+    assert reader.seen == 2 and [r.spec for r in requests] == ["hang tp=1,pp=1,dp=0",
                                                         "raise node=0 iter=9"]
     with pytest.raises(FaultSpecError, match="rank 8 >= world size 8"):
         job.inject("kill rank=8")
     # A forged request (no job token) is skipped by every reader.
     epoch.store.set(keys.inject_request(3), b"{}")  # the prefixed view, unsigned
     epoch.add(keys.INJECTS, 1)
-    assert new_requests(epoch, 2) == (3, [])
+    assert reader.read(epoch) == [] and reader.seen == 3
 
 
 def _state_within(pid: int, wanted: Callable[[str], bool], timeout_s: float) -> bool:
@@ -336,4 +382,48 @@ def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+        workers.stop(0)
+
+
+def test_a_launcher_nudges_a_worker_only_once_it_catches_the_nudge(tmp_path: Path) -> None:
+    """A worker-delivered request (raise, iter=, phase=) reaches its worker as NUDGE from its
+    launcher; a process without a handler for it (still starting) is not sent it, since
+    its default action would end the process."""
+    from deadpool_megatron.control.auth import SignedStore, new_token
+    from deadpool_megatron.control.sockets import store_server
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.workers import LocalWorkers
+
+    server = store_server("127.0.0.1", 0, timeout_s=30)
+    store = SignedStore(server, new_token(), keys.epoch_prefix(0))
+    workers = LocalWorkers(LaunchConfig(nproc_per_node=2), ["sleep", "60"], store,
+                           server.port, 2, 0, str(tmp_path))
+    nudged = tmp_path / "nudged"
+    catcher = subprocess.Popen([sys.executable, "-c", (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGUSR2, lambda *_: open({str(nudged)!r}, 'a').write('n'))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen(["sleep", "60"])
+    workers.procs = {"w0": catcher, "w1": plain}
+    try:
+        assert catcher.stdout.readline() == "ready\n"
+        for rid, worker in ((1, "w1"), (2, "w0")):
+            store.set(keys.inject_request(rid), InjectRequest(
+                rid, "raise rank=0 iter=9", [0], [worker], 0, "worker").to_json())
+            store.add(keys.INJECTS, 1)
+        store.add(keys.KILLS, 1)
+        workers.poll()
+        deadline = time.monotonic() + 30
+        while not nudged.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert nudged.read_text() == "n"
+        assert plain.poll() is None  # not signalled: it would have died of it
+        workers.poll()  # nothing new: no second nudge
+        time.sleep(0.2)
+        assert nudged.read_text() == "n"
+    finally:
+        for proc in (catcher, plain):
+            proc.kill()
+            proc.wait(timeout=10)
         workers.stop(0)

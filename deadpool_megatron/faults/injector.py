@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -35,29 +36,44 @@ class FaultInjector:
         self._fired: set[int] = set()
         self._committed: Callable[[], int | None] = lambda: None
         self._control = None  # (SignedStore, worker id): deadpool-inject's requests
-        self._requests_seen = 0
+        self._reader = None
+        self._nudged: threading.Event | None = None
 
     def follow_commits(self, committed: Callable[[], int | None]) -> None:
         """Where wait=commit faults read this rank's newest committed snapshot."""
         self._committed = committed
 
     def follow_control(self, store, worker: str) -> None:
-        """Also fire the faults deadpool-inject aims at this worker (faults/remote.py),
-        read from the control plane at each iteration boundary."""
+        """Also fire the faults deadpool-inject aims at this worker (faults/remote.py). The
+        store is read at the first iteration boundary, then only after the launcher's
+        nudge (remote.NUDGE); off the main thread no handler can be installed, and every
+        boundary reads it (one counter read)."""
+        from deadpool_megatron.faults.remote import RequestReader
+
         self._control = (store, worker)
+        self._reader = RequestReader()
+        self._nudged = _nudge_event()
+        if self._nudged is not None:
+            self._nudged.set()  # the first boundary reads what came before the handler
 
     def learn(self, iteration: int) -> None:
-        """Take the new deadpool-inject requests for this worker (one counter read)."""
+        """Take the new deadpool-inject requests for this worker (when nudged)."""
         if self._control is None:
             return
-        from deadpool_megatron.faults.remote import new_requests
-
+        if self._nudged is not None:
+            if not self._nudged.is_set():
+                return
+            self._nudged.clear()  # a nudge from now on is for a later read
         store, worker = self._control
         try:
-            self._requests_seen, requests = new_requests(store, self._requests_seen)
+            requests = self._reader.read(store)
         except Exception as err:  # noqa: BLE001 - the control plane's loss is handled elsewhere
             log.debug("rank %d: could not read fault requests: %s", self._rank, err)
+            if self._nudged is not None:
+                self._nudged.set()
             return
+        if self._reader.waiting and self._nudged is not None:
+            self._nudged.set()  # an id is not written yet: look again at the next boundary
         for request in requests:
             if worker not in request.workers or request.delivery != "worker":
                 continue
@@ -118,6 +134,18 @@ class FaultInjector:
                             "anyway", self._rank, iteration, COMMIT_WAIT_S)
                 return
             time.sleep(0.002)
+
+
+def _nudge_event() -> threading.Event | None:
+    """An event the launcher's nudge (remote.NUDGE) sets; None off the main thread, where
+    Python cannot install a signal handler."""
+    from deadpool_megatron.faults.remote import NUDGE
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    event = threading.Event()
+    signal.signal(NUDGE, lambda *_: event.set())
+    return event
 
 
 class _FaultHooks(TrainingHooks):

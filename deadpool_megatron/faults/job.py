@@ -150,6 +150,5 @@ class JobControl:
                 self.store.set(keys.signal_request(worker),
                                json.dumps({"id": request_id, "action": fault.action}))
         self.store.add(keys.INJECTS, 1)
-        if delivery == "signal":
-            self.store.add(keys.KILLS, 1)  # wakes the launchers
+        self.store.add(keys.KILLS, 1)  # wakes the launchers (a signal, or a nudge)
         return request, p

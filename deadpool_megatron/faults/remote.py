@@ -7,16 +7,20 @@ be a spare. Two deliveries:
 - `signal` (kill, term, hang with neither iter= nor phase=): a signal request per worker,
   `dp/signal/<worker>`, that the launcher of the host running that worker carries out (it
   wakes on the kill counter, as for host 0's kill requests);
-- `worker` (raise, and anything with iter= or phase=): the worker's own FaultInjector reads
-  new requests at each iteration boundary (one counter read per iteration, none per
-  micro-batch) and fires them like a --deadpool-inject fault.
+- `worker` (raise, and anything with iter= or phase=): the launcher of the worker's host
+  (woken by the same counter) nudges the worker with NUDGE (SIGUSR2); the worker's own
+  FaultInjector then reads the new requests at its next iteration boundary and fires them
+  like a --deadpool-inject fault. A worker reads the store only when nudged (and once when
+  it starts training), so thousands of ranks do not each query host 0 every iteration.
 Host 0's coordinator logs each request as a `fault_requested` event.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
+import time
 from dataclasses import asdict, dataclass
 
 from deadpool_megatron.control import keys
@@ -24,6 +28,10 @@ from deadpool_megatron.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from deadpool_megatron.topology import ParallelSizes
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP}
+# A worker-delivered request is announced to its worker by this signal from its launcher,
+# so the worker reads the store only when there is something to read (faults/injector.py).
+NUDGE = signal.SIGUSR2
+log = logging.getLogger("deadpool_megatron.faults")
 
 
 @dataclass(frozen=True)
@@ -93,20 +101,45 @@ def resolve(fault: FaultSpec, shape: JobShape, members: dict[int, str]) -> list[
     return ranks
 
 
-def new_requests(store, seen: int) -> tuple[int, list[InjectRequest]]:
-    """The requests after id `seen` that are written (in order, stopping at the first one
-    not yet written), and the newest id read. One counter read when there are none."""
-    count = store.add(keys.INJECTS, 0)
-    out: list[InjectRequest] = []
-    while seen < count:
-        key = keys.inject_request(seen + 1)
-        if not store.check([key]):
-            break  # its writer bumped the counter first (another writer's id); next time
-        seen += 1
-        raw = store.read(key)  # None: not signed with the job token (logged by the store)
-        if raw is not None:
-            try:
-                out.append(InjectRequest.from_json(raw))
-            except (ValueError, KeyError, TypeError):
-                pass
-    return seen, out
+class RequestReader:
+    """Reads the requests in id order, once each. An id handed out whose request is not
+    written yet stops the read there (its writer is between `add` and `set`), for at most
+    GAP_GRACE_S: a deadpool-inject that died between the two would otherwise stall every
+    reader for good, so its id is then skipped (with a warning)."""
+
+    GAP_GRACE_S = 10.0
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.waiting = False  # the last read stopped at an id not written yet
+        self._gap: tuple[int, float] | None = None  # (missing id, when first seen missing)
+
+    def read(self, store, now: float | None = None) -> list[InjectRequest]:
+        """The new requests (one counter read when there are none)."""
+        now = time.monotonic() if now is None else now
+        count = store.add(keys.INJECTS, 0)
+        out: list[InjectRequest] = []
+        self.waiting = False
+        while self.seen < count:
+            key = keys.inject_request(self.seen + 1)
+            if not store.check([key]):
+                if not self._gap_expired(self.seen + 1, now):
+                    self.waiting = True  # its writer has not written it yet: read again
+                    break
+                log.warning("deadpool-inject request #%d was never written (its writer "
+                            "died?); skipped", self.seen + 1)
+                self.seen += 1
+                continue
+            self.seen += 1
+            raw = store.read(key)  # None: not signed with the job token (logged by the store)
+            if raw is not None:
+                try:
+                    out.append(InjectRequest.from_json(raw))
+                except (ValueError, KeyError, TypeError):
+                    pass
+        return out
+
+    def _gap_expired(self, missing: int, now: float) -> bool:
+        if self._gap is None or self._gap[0] != missing:
+            self._gap = (missing, now)
+        return now - self._gap[1] >= self.GAP_GRACE_S

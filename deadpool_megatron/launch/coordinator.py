@@ -18,6 +18,7 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
 from deadpool_megatron.control.policy import RecoveryImpossible, assign_spares, check_recoverable
+from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.topology import buddy_of, ward_of
@@ -57,7 +58,7 @@ class Coordinator:
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.declare_at = 0.0
         self._exits_seen = 0
-        self._injects_seen = 0
+        self._injects = RequestReader()  # deadpool-inject requests, logged as events
         self._next_scan = 0.0
         self._host_seq: dict[int, tuple[int, float]] = {}  # host -> (report seq, seen at)
         self._join_deadline = time.monotonic() + cfg.join_timeout
@@ -97,10 +98,7 @@ class Coordinator:
 
     def _note_injections(self) -> None:
         """Log each deadpool-inject request as an event of the job (faults/remote.py)."""
-        from deadpool_megatron.faults.remote import new_requests
-
-        self._injects_seen, requests = new_requests(self.store, self._injects_seen)
-        for r in requests:
+        for r in self._injects.read(self.store):
             self.events.emit("fault_requested", request=r.id, fault=r.spec, ranks=r.ranks,
                              workers=r.workers, generation=r.generation, delivery=r.delivery)
             log.warning("deadpool-launch: deadpool-inject #%d: '%s' on ranks %s (workers %s)",

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from deadpool_megatron.control import auth, keys, progress
 from deadpool_megatron.control.auth import SignedStore
+from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.child import die_with_parent
 from deadpool_megatron.launch.config import LaunchConfig
 
@@ -49,6 +50,7 @@ class LocalWorkers:
         self._kills_seen = 0
         self._kill_at: dict[str, float] = {}
         self._signals_sent: set[tuple[str, int]] = set()  # (worker, deadpool-inject id)
+        self._requests = RequestReader()  # deadpool-inject's requests, for the nudges
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.progress_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
         self._seq = 0
@@ -103,6 +105,8 @@ class LocalWorkers:
                 self.store.set(keys.exit_report(worker), str(proc.returncode))
                 self.store.add(keys.EXITS, 1)
         kills = self.store.add(keys.KILLS, 0)
+        if kills != self._kills_seen or self._requests.waiting:
+            self._nudge_workers()
         if kills != self._kills_seen:
             self._kills_seen = kills
             for worker, proc in self.procs.items():
@@ -124,6 +128,24 @@ class LocalWorkers:
             self._seq += 1
             self.store.set(keys.host_report(self.cfg.node_rank),
                            json.dumps({"seq": self._seq, "workers": self.views()}))
+
+    def _nudge_workers(self) -> None:
+        """Tell each local worker that deadpool-inject wrote a request for it (NUDGE), so
+        it reads the store at its next iteration boundary. A worker that does not catch
+        the signal yet is not sent it (its default action ends the process): it reads the
+        store once at its first boundary anyway."""
+        from deadpool_megatron.faults.remote import NUDGE
+
+        for request in self._requests.read(self.store):
+            if request.delivery != "worker":
+                continue
+            for worker in request.workers:
+                proc = self.procs.get(worker)
+                if proc is None or proc.poll() is not None or not _catches(proc.pid, NUDGE):
+                    continue
+                log.warning("deadpool-launch: deadpool-inject #%d: nudging worker %s",
+                         request.id, worker)
+                proc.send_signal(NUDGE)
 
     def _injected_signals(self) -> None:
         """Send the signals deadpool-inject asked for (faults/remote.py), once each."""
@@ -178,6 +200,18 @@ class LocalWorkers:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=10)
         shutil.rmtree(self.progress_dir, ignore_errors=True)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for the signal (/proc's SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _os_state(pid: int) -> str:
