@@ -94,19 +94,32 @@ class HotSwapPretrain:
     """Megatron's `pretrain`, entered once per generation (see the module docstring)."""
 
     def __init__(self, pretrain: Callable, ctl: Any) -> None:
+        import faulthandler
+        import signal
+
         self.pretrain, self.ctl = pretrain, ctl
+        # `kill -USR1 <pid>` prints every thread's stack, as for our own pretrain_gpt.py.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.member: Any = None
         self.recovery: _Recovery | None = None
         self._pristine: argparse.Namespace | None = None
         self._fresh_globals = True  # Megatron's globals as the script set them, unused
+        self._startup: dict[str, Any] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
         from deadpool_megatron.control.client import JobShutdown
 
+        import megatron.training.training as training
+
         margs = get_args()
         self._pristine = copy.deepcopy(margs)  # each later generation starts from these
+        # pretrain() records its start-up times in a module dict that destroy_state() keeps,
+        # and all-reduces them only once set: every member's pretrain() must see the
+        # script's values (a survivor's would otherwise run one all-reduce more than the
+        # spare's, and both wait for ever).
+        self._startup = dict(training._STARTUP_TIMESTAMPS)
         try:
             if self.ctl.is_spare:
                 log.info("spare %s ready (imports done); waiting for an assignment",
@@ -209,6 +222,7 @@ class HotSwapPretrain:
     def _pretrain(self, stops: TrainingHooks, args: tuple, kwargs: dict) -> Any:
         """The training thread's body: Megatron's arguments for this generation, with its
         rank and the hooks, then Megatron's own pretrain() on the generation's store."""
+        import megatron.training.training as training
         from megatron.training import get_args
         from megatron.training.global_vars import set_global_variables
 
@@ -219,6 +233,8 @@ class HotSwapPretrain:
         else:
             margs = copy.deepcopy(self._pristine)
             set_global_variables(margs)
+        training._STARTUP_TIMESTAMPS.clear()
+        training._STARTUP_TIMESTAMPS.update(self._startup)
         os.environ["RANK"] = str(member.rank)
         margs.rank = member.rank
         margs.deadpool_hooks = self._hooks(stops, margs)
