@@ -63,6 +63,11 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
         raise HotSwapUnsupported("hot-swap in Megatron's own loop re-enters train() with one "
                                  "data iterator: a virtual pipeline is not supported yet "
                                  "(drop --num-layers-per-virtual-pipeline-stage)")
+    if getattr(args, "exit_signal_handler", False) or \
+            getattr(args, "exit_signal_handler_for_training", False):
+        raise HotSwapUnsupported("hot-swap sets Megatron's globals again in each generation's "
+                                 "thread, where no signal handler can be installed: drop "
+                                 "--exit-signal-handler (deadpool-launch handles SIGTERM)")
     from deadpool_megatron.control.client import ControlClient
 
     ctl = ControlClient.from_env()  # joins the control plane now, before any group
