@@ -14,9 +14,10 @@ import torch
 from deadpool_megatron.config import ConfigError, TrainConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration import megatron_lm
-from deadpool_megatron.integration.megatron_lm import (MegatronLoop, ReenterTrain, add_deadpool_args,
-                                                       deadpool_config, fault_tolerance_hooks,
-                                                       run_train, train_config)
+from deadpool_megatron.integration.megatron_lm import (MegatronLoop, ReenterTrain,
+                                                       add_deadpool_args, deadpool_config,
+                                                       fault_tolerance_hooks, run_train,
+                                                       train_config)
 from deadpool_megatron.integration.megatron_lm_elastic import (HotSwapUnsupported,
                                                                maybe_hot_swap)
 
@@ -224,3 +225,5 @@ def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
     with pytest.raises(HotSwapUnsupported, match="virtual pipeline"):
         maybe_hot_swap(pretrain, SimpleNamespace(
             deadpool=True, inprocess_restart=False, num_layers_per_virtual_pipeline_stage=1))
+    with pytest.raises(HotSwapUnsupported, match="drop --exit-signal-handler"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, exit_signal_handler=True))

@@ -300,10 +300,11 @@ class HotSwapPretrain:
 
 
 class _Recovery(TrainingHooks):
-    """t0: when this rank began its way into the generation (it left the broken one, or,
-    a spare, it was given a rank). The first hook of each generation's chain. At `on_train_start` of a generation after
+    """The first hook of each generation's chain. At `on_train_start` of a generation after
     the first (once per generation: train() entered again finds it done), it brings the
-    objects Megatron just built to the agreed snapshot and has train() entered again there."""
+    objects Megatron just built to the agreed snapshot and has train() entered again there.
+    t0: when this rank began its way into the generation (it began leaving the broken one,
+    or, a spare, it was given a rank)."""
 
     def __init__(self, member: Any, t0: float) -> None:
         self.member, self.t0 = member, t0
