@@ -112,11 +112,10 @@ class HotSwapPretrain:
         self._startup: dict[str, Any] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import megatron.training.training as training
         from megatron.training import get_args
 
         from deadpool_megatron.control.client import JobShutdown
-
-        import megatron.training.training as training
 
         margs = get_args()
         self._pristine = copy.deepcopy(margs)  # each later generation starts from these
@@ -184,7 +183,7 @@ class HotSwapPretrain:
             try:
                 generation = self._join(generation, declared)
                 if generation is None:  # a newer one was declared while forming
-                    generation = self._leave(None)
+                    generation = self._leave_or_exit(None)
                     continue
                 training.run(declared)
                 self.ctl.unwatch()
@@ -294,6 +293,7 @@ class HotSwapPretrain:
         generation = leave(member, training, keep_intact_replicas=False)
         _flush_refused(member, generation)
         destroy_state()
+        self._fresh_globals = False  # the next generation sets them from the parsed copy
         member.state = None
         gc.collect()  # the old generation's model and optimizer go before the new ones
         return generation
