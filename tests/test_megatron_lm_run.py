@@ -191,18 +191,22 @@ def _all_events(prefix: Path) -> list[dict]:
 
 
 @pytest.mark.fault_matrix
-def test_under_deadpool_launch_a_killed_rank_is_hot_swapped_in_megatrons_loop(
-        patched_tree: Path, plain, tmp_path: Path) -> None:
-    """--deadpool under deadpool-launch, a warm spare per failure domain: rank 5 is killed in
-    iteration 3's backward. A spare takes rank 5 (no worker is restarted), every member
-    enters Megatron's pretrain() again, restores snapshot 2 (the spare from its buddy) and
+@pytest.mark.parametrize("fault, failed", [
+    ("kill rank=5 iter=3 phase=backward", 5),  # killed: its launcher sees the exit
+    ("raise rank=2 iter=3 phase=forward", 2),  # its own error: it leaves the job itself
+])
+def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
+        patched_tree: Path, plain, tmp_path: Path, fault: str, failed: int) -> None:
+    """--deadpool under deadpool-launch, a warm spare per failure domain: a rank fails in
+    iteration 3. A spare takes its rank (no worker is restarted), every member enters
+    Megatron's pretrain() again, restores snapshot 2 (the spare from its buddy) and
     Megatron's train() recomputes iterations 3 and 4; the run ends with the fingerprint of
     the run without failure."""
     run, _ = plain
     events = tmp_path / "events"
     job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
                        [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
-                        "--deadpool-inject", "kill rank=5 iter=3 phase=backward"],
+                        "--deadpool-inject", fault],
                        tmp_path / "launch", timeout_s=700,
                        env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90"},
                        script=patched_tree / "pretrain_gpt.py")
@@ -212,13 +216,14 @@ def test_under_deadpool_launch_a_killed_rank_is_hot_swapped_in_megatrons_loop(
     assert not (tmp_path / "launch" / "workers" / "epoch1").exists()
     ev = _all_events(events)
     declared = [e for e in ev if e["event"] == "generation_declared"]
-    assert [(d["generation"], d["failed_ranks"]) for d in declared] == [(1, [5])], declared
-    assert list(declared[0]["replaced"]) == ["5"], declared
-    assert declared[0]["replaced"]["5"].startswith("s"), declared  # a spare's worker id
+    assert [(d["generation"], d["failed_ranks"]) for d in declared] == [(1, [failed])], \
+        declared
+    assert list(declared[0]["replaced"]) == [str(failed)], declared
+    assert declared[0]["replaced"][str(failed)].startswith("s"), declared  # a spare's id
     recovered = {e["rank"]: e for e in ev if e["event"] == "recovered"}
     assert sorted(recovered) == list(range(8)), recovered
     assert {r: (e["generation"], e["restored"], e["how"]) for r, e in recovered.items()} == \
-        {r: (1, 2, "buddy" if r == 5 else "own") for r in range(8)}, recovered
+        {r: (1, 2, "buddy" if r == failed else "own") for r in range(8)}, recovered
     # The hooks in the new generation, in order on every rank: the recovery, then
     # iterations 3 and 4, each completed and snapshotted (snapshot 2, restored, is not
     # taken again).
