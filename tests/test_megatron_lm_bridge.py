@@ -14,10 +14,12 @@ import torch
 from deadpool_megatron.config import ConfigError, TrainConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration import megatron_lm
-from deadpool_megatron.integration.megatron_lm import (HotSwapUnavailable, MegatronLoop,
-                                                       ReenterTrain, add_deadpool_args,
-                                                       deadpool_config, fault_tolerance_hooks,
-                                                       run_train, train_config)
+from deadpool_megatron.integration.megatron_lm import (MegatronLoop, ReenterTrain,
+                                                       add_deadpool_args, deadpool_config,
+                                                       fault_tolerance_hooks, run_train,
+                                                       train_config)
+from deadpool_megatron.integration.megatron_lm_elastic import (HotSwapUnsupported,
+                                                               maybe_hot_swap)
 
 
 class Recorder(TrainingHooks):
@@ -194,10 +196,34 @@ def test_a_reentered_train_keeps_the_hooks_and_wraps_the_reduction_once() -> Non
     assert config.finalize_model_grads_func is original
 
 
-def test_hot_swap_under_deadpool_launch_is_refused_before_training(monkeypatch) -> None:
+def test_hot_swap_without_the_pretrain_wrapper_is_refused_before_training(monkeypatch) -> None:
+    """Under deadpool-launch the hooks come from the hot-swap wrapper of pretrain()
+    (megatron_lm_elastic.py); a script that does not wrap pretrain() as upstream
+    pretrain_gpt.py does is told how, before any training."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("DEADPOOL_WORKER_ID", "w0")
     args = add_deadpool_args(argparse.ArgumentParser()).parse_args(
         ["--deadpool", "--deadpool-ranks-per-node", "2"])
-    with pytest.raises(HotSwapUnavailable, match="pretrain_scripts/pretrain_gpt.py"):
+    with pytest.raises(HotSwapUnsupported, match="maybe_wrap_for_inprocess_restart"):
         fault_tolerance_hooks(args)
+
+
+def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
+    """maybe_hot_swap (the patched maybe_wrap_for_inprocess_restart's call): Megatron's own
+    path without --deadpool or outside deadpool-launch; a clear refusal for what hot-swap
+    in Megatron's loop does not cover."""
+    def pretrain() -> None:
+        pass
+
+    plain = SimpleNamespace(deadpool=False)
+    assert maybe_hot_swap(pretrain, plain) is None
+    monkeypatch.delenv("DEADPOOL_WORKER_ID", raising=False)
+    assert maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True)) is None
+    monkeypatch.setenv("DEADPOOL_WORKER_ID", "w0")
+    with pytest.raises(HotSwapUnsupported, match="drop --inprocess-restart"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, inprocess_restart=True))
+    with pytest.raises(HotSwapUnsupported, match="virtual pipeline"):
+        maybe_hot_swap(pretrain, SimpleNamespace(
+            deadpool=True, inprocess_restart=False, num_layers_per_virtual_pipeline_stage=1))
+    with pytest.raises(HotSwapUnsupported, match="drop --exit-signal-handler"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, exit_signal_handler=True))

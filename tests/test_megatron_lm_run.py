@@ -5,7 +5,9 @@ With --deadpool the patched loop snapshots every iteration to ring buddies witho
 a bit of the training, and the micro-batch phases reach the fault injector at the right
 point of Megatron's own loop. Megatron's own --save/--load resume the same training, and so
 does Megatron's train() entered again after every rank restored its buddy's copy of a
-snapshot. Dropout is on (Megatron's default, 0.1): the resumes must rewind its streams too."""
+snapshot. Dropout is on (Megatron's default, 0.1): the resumes must rewind its streams too.
+Under deadpool-launch with --deadpool a killed rank is hot-swapped: a warm spare takes it and
+every member enters Megatron's pretrain() again (integration/megatron_lm_elastic.py)."""
 
 from __future__ import annotations
 
@@ -153,8 +155,8 @@ def _kill_rank_when(log: Path, text: str, script: Path, rank: int, stop: threadi
 @pytest.mark.fault_matrix
 def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_save(
         patched_tree: Path, plain, tmp_path: Path) -> None:
-    """Without --deadpool (hot-swap in Megatron's loop is not built), deadpool-launch runs
-    the job as torchrun would: a failure restarts every worker with --load from --save."""
+    """Without --deadpool (no snapshots, so no hot-swap), deadpool-launch runs the job as
+    torchrun would: a failure restarts every worker with --load from --save."""
     run, _ = plain
     script = patched_tree / "pretrain_gpt.py"
     stop, killed = threading.Event(), []
@@ -179,3 +181,60 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
                      job.output), job.describe()
     assert re.findall(r"iteration +(\d+)/ +4 \|", job.output).count("1") == 1, job.describe()
     assert job.fingerprint == run.fingerprint, job.describe()
+
+
+def _all_events(prefix: Path) -> list[dict]:
+    out = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["t"])
+
+
+@pytest.mark.fault_matrix
+@pytest.mark.parametrize("fault, failed", [
+    ("kill rank=5 iter=3 phase=backward", 5),  # killed: its launcher sees the exit
+    ("raise rank=2 iter=3 phase=forward", 2),  # its own error: it leaves the job itself
+])
+def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
+        patched_tree: Path, plain, tmp_path: Path, fault: str, failed: int) -> None:
+    """--deadpool under deadpool-launch, a warm spare per failure domain: a rank fails in
+    iteration 3. A spare takes its rank (no worker is restarted), every member enters
+    Megatron's pretrain() again, restores snapshot 2 (the spare from its buddy) and
+    Megatron's train() recomputes iterations 3 and 4; the run ends with the fingerprint of
+    the run without failure."""
+    run, _ = plain
+    events = tmp_path / "events"
+    job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
+                       [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
+                        "--deadpool-inject", fault],
+                       tmp_path / "launch", timeout_s=700,
+                       env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90"},
+                       script=patched_tree / "pretrain_gpt.py")
+    assert job.returncodes == [0], job.describe()
+    # Hot-swapped: one declaration, a spare took rank 5, nobody restarted the job.
+    assert "restarting all" not in job.output, job.describe()
+    assert not (tmp_path / "launch" / "workers" / "epoch1").exists()
+    ev = _all_events(events)
+    declared = [e for e in ev if e["event"] == "generation_declared"]
+    assert [(d["generation"], d["failed_ranks"]) for d in declared] == [(1, [failed])], \
+        declared
+    assert list(declared[0]["replaced"]) == [str(failed)], declared
+    assert declared[0]["replaced"][str(failed)].startswith("s"), declared  # a spare's id
+    recovered = {e["rank"]: e for e in ev if e["event"] == "recovered"}
+    assert sorted(recovered) == list(range(8)), recovered
+    assert {r: (e["generation"], e["restored"], e["how"]) for r, e in recovered.items()} == \
+        {r: (1, 2, "buddy" if r == failed else "own") for r in range(8)}, recovered
+    # The hooks in the new generation, in order on every rank: the recovery, then
+    # iterations 3 and 4, each completed and snapshotted (snapshot 2, restored, is not
+    # taken again).
+    for rank in range(8):
+        after = [e for e in ev if e["rank"] == rank and e["t"] >= recovered[rank]["t"]]
+        steps = [e["iteration"] for e in after if e["event"] == "step_completed"]
+        commits = [e["iteration"] for e in after if e["event"] == "snapshot_committed"]
+        assert (steps, commits) == ([3, 4], [3, 4]), (rank, after)
+    assert sorted(int(i) for i in re.findall(r"iteration +(\d+)/ +4 \|", job.output)) == \
+        [1, 2, 3, 4], job.describe()
+    # The same training, bit for bit (iteration 3's loss is the first line of the new
+    # pretrain(), not averaged with an earlier one: comparable).
+    assert job.fingerprint == run.fingerprint, job.describe()
+    assert job.losses[3] == run.losses[3], job.describe()

@@ -22,7 +22,8 @@ from deadpool_megatron.patching.unified_diff import PatchError, apply_file, pars
 
 WHEEL_MEGATRON = Path(megatron.__path__[0])
 DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
-PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/training.py")
+PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/inprocess_restart.py",
+                 "megatron/training/training.py")
 
 
 def _digest(tree: Path) -> dict[str, str]:

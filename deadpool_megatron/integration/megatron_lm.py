@@ -19,7 +19,9 @@ the fault-tolerance layer. The hook points land in Megatron's loop as in ours:
 The patched pretrain() calls train() through `run_train`, which can leave train() and enter
 it again at a restored iteration (`ReenterTrain`): the way back into Megatron's own loop
 after its state was restored from a snapshot. The hooks, the snapshot engine with them, stay
-the same across entries (`args.deadpool_hooks`).
+the same across entries (`args.deadpool_hooks`). Under deadpool-launch, hot-swap enters
+the whole of pretrain() again per generation (megatron_lm_elastic.py), which sets
+`args.deadpool_hooks` each time.
 """
 
 from __future__ import annotations
@@ -44,11 +46,6 @@ class ReenterTrain(Exception):
     def __init__(self, restore: Callable[[Any], dict[str, Any]], why: str) -> None:
         super().__init__(why)
         self.restore = restore
-
-
-class HotSwapUnavailable(RuntimeError):
-    """--deadpool under deadpool-launch asks for hot-swap, which Megatron-LM's own loop does
-    not have yet; say so before any training rather than fail at the first failure."""
 
 
 def add_deadpool_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -83,10 +80,14 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
     if not ft.deadpool:
         return []
     if os.environ.get("DEADPOOL_WORKER_ID") is not None:
-        raise HotSwapUnavailable(
-            "--deadpool under deadpool-launch (hot-swap) is not available for Megatron-LM's "
-            "own train() yet: launch pretrain_scripts/pretrain_gpt.py for hot-swap, or drop "
-            "--deadpool here (deadpool-launch then restarts the job from --save on a failure).")
+        from deadpool_megatron.integration.megatron_lm_elastic import HotSwapUnsupported
+
+        # The hot-swap wrapper sets args.deadpool_hooks; it is not there.
+        raise HotSwapUnsupported(
+            "--deadpool under deadpool-launch (hot-swap) needs pretrain() wrapped as upstream "
+            "pretrain_gpt.py does: `pretrain, store = inprocess_restart."
+            "maybe_wrap_for_inprocess_restart(pretrain)`, then `pretrain(..., store=store)`; "
+            "or drop --deadpool (deadpool-launch then restarts the job from --save).")
     from deadpool_megatron.integration.device import ProcessDevice
     from deadpool_megatron.snapshot.engine import SnapshotEngine
     from deadpool_megatron.training.main import deadpool_hooks

@@ -188,8 +188,11 @@ def build_fresh(member: Member) -> None:
 
 
 # -- leave --------------------------------------------------------------------------------
-def leave(member: Member, training: StoppableThread | None) -> int:
-    """Stop the broken generation here; returns the generation to join next."""
+def leave(member: Member, training: StoppableThread | None,
+          keep_intact_replicas: bool = True) -> int:
+    """Stop the broken generation here; returns the generation to join next. Without
+    `keep_intact_replicas` every rank stops at once, as in a replica that lost a rank (a
+    loop that recomputes whole iterations keeps no gradients)."""
     ctl = member.ctl
     laps = _Laps()
     generation = ctl.wait_generation_after(member.generation)
@@ -197,7 +200,7 @@ def leave(member: Member, training: StoppableThread | None) -> int:
     if ctl.members(generation).get(member.rank) != ctl.worker:
         raise CannotContinue(f"rank {member.rank} was declared lost in generation {generation}")
     replaced = {r for g in range(member.generation + 1, generation + 1) for r in ctl.replaced(g)}
-    lost_replica = flushing or \
+    lost_replica = flushing or not keep_intact_replicas or \
         member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
     if member.bound == member.generation:  # groups created since the rebind are named too
         member.registry = group_registry()
@@ -345,9 +348,24 @@ def _reachable(roots: list[Any]) -> list[Any]:
 def restore(member: Member) -> RecoveryPlan:
     """Collective over the new generation: agree on the plan, move the shards the spares
     need, and bring every rank to the target snapshot."""
+    plan, sizes = agree(member, member.report())
+    if plan.target == FRESH_START:
+        build_fresh(member)
+        return plan
+    if member.state is None:  # no objects to restore into: a spare replaces this rank
+        raise CannotContinue(f"rank {member.rank} holds no training objects (its first "
+                             f"build was cut short) and the plan restores snapshot "
+                             f"{plan.target}")
+    restore_to(member, plan, sizes)
+    return plan
+
+
+def agree(member: Member, report: RankReport) -> tuple[RecoveryPlan, list[int]]:
+    """Collective over the new generation: every rank's report in, the same plan out (and
+    every rank's shard size, for the ward copies)."""
     shard_bytes = member.engine.manifest.nbytes if member.engine.manifest else 0
     try:
-        gathered = all_gather_plain([member.report().plain(), shard_bytes])
+        gathered = all_gather_plain([report.plain(), shard_bytes])
         reports = [RankReport.from_plain(g[0]) for g in gathered]
         sizes = [int(g[1]) for g in gathered]
     except (BadPeerData, ValueError, TypeError, IndexError) as err:
@@ -358,16 +376,13 @@ def restore(member: Member) -> RecoveryPlan:
     plan = plan_recovery(reports, replaced, member.buddies(),
                          [member.replica_of(r) for r in range(member.world)], num_mb,
                          member.ft.deadpool_replay)
-    if plan.target == FRESH_START:
-        build_fresh(member)
-        return plan
-    if member.state is None:  # no objects to restore into: a spare replaces this rank
-        raise CannotContinue(f"rank {member.rank} holds no training objects (its first "
-                             f"build was cut short) and the plan restores snapshot "
-                             f"{plan.target}")
-    _move_shards(member, plan, sizes)
+    return plan, sizes
+
+
+def restore_to(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> None:
+    """Move the shards the plan names, then bring this rank's live objects to its target."""
+    _move_shards(member, plan, shard_bytes)
     _apply(member, plan)
-    return plan
 
 
 def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> None:

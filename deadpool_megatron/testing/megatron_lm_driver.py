@@ -80,15 +80,19 @@ def forward_step(data_iterator: Any, model: Any) -> tuple:
 def main() -> None:
     with _cpu_rehearsal():
         from megatron.core.enums import ModelType
-        from megatron.training import pretrain
+        from megatron.training import inprocess_restart, pretrain
         from megatron.training.argument_utils import (gpt_config_from_args,
                                                       pretrain_cfg_container_from_args)
         from megatron.training.arguments import parse_and_validate_args
 
         datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+        # As upstream: Megatron's in-process restart may wrap pretrain (the patched tree
+        # wraps it for hot-swap under deadpool-launch with --deadpool).
+        pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                 store=store)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class GenerationThread:
         return "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "ended"
 
 
-class _IterationEvents(TrainingHooks):
+class IterationEvents(TrainingHooks):
     """Marks each completed iteration (recovery timelines, time lost), and after a recovery
     the end of the replay with the micro-batches it really computed."""
 
@@ -165,7 +165,7 @@ def _train(member: Member, dataset: object, finish: Callable[[LoopState], None],
     barrier = _reduction_barrier()
     if barrier is not None:
         hooks.append(ReductionBarrier(barrier))
-    hooks.append(_IterationEvents(member, max(work) if work else None))
+    hooks.append(IterationEvents(member, max(work) if work else None))
     try:
         train(member.cfg, dataset, member.state, hooks=hooks,
               checkpointer=member.checkpointer(), replay=work)
@@ -175,11 +175,26 @@ def _train(member: Member, dataset: object, finish: Callable[[LoopState], None],
             member.progress.training_thread = None
 
 
+def member_injector(ft: DeadPoolConfig, ctl: ControlClient, rank: int, sizes: object,
+                    world: int, events: EventLog) -> FaultInjector:
+    """The fault injector of a worker under deadpool-launch. Faults belong to the original
+    workers of the first launch: neither a spare taking a rank nor a restart from the
+    checkpoint re-fires them; `deadpool-inject` reaches every worker (faults/remote.py)."""
+    from deadpool_megatron.faults.spec import parse_fault, target_ranks
+
+    first_epoch = os.environ.get("DEADPOOL_EPOCH", "0") == "0"
+    faults = [parse_fault(s) for s in ft.deadpool_inject]
+    mine = [] if ctl.is_spare or not first_epoch else [
+        f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
+    injector = FaultInjector(mine, rank, events)
+    injector.follow_control(ctl.store, ctl.worker)
+    return injector
+
+
 def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, dataset: object,
                 cpu_rehearsal: bool, finish: Callable[[LoopState], None],
                 thread_context: Callable[[], ContextManager],
                 progress: ProgressBoard | None = None, device: ProcessDevice = CPU) -> int:
-    from deadpool_megatron.faults.spec import parse_fault, target_ranks
     from deadpool_megatron.integration.distributed import destroy_process_groups
     from deadpool_megatron.reconstruct.recovery import build_fresh, enter, rejoin
     from deadpool_megatron.reconstruct.rebind import MegatronGlobals
@@ -203,14 +218,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
     events = EventLog(ft.deadpool_events, rank)
     sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
                                      cfg.pipeline_model_parallel_size)
-    # Faults belong to the original workers of the first launch: neither a spare taking a
-    # rank nor a restart from the checkpoint re-fires them.
-    first_epoch = os.environ.get("DEADPOOL_EPOCH", "0") == "0"
-    faults = [parse_fault(s) for s in ft.deadpool_inject]
-    mine = [] if ctl.is_spare or not first_epoch else [
-        f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
-    injector = FaultInjector(mine, rank, events)
-    injector.follow_control(ctl.store, ctl.worker)  # deadpool-inject (faults/remote.py)
+    injector = member_injector(ft, ctl, rank, sizes, world, events)
     member = Member(cfg=cfg, ft=ft, ctl=ctl, rank=rank, world=world,
                     cpu_rehearsal=cpu_rehearsal, events=events,
                     engine=SnapshotEngine(cfg, ft, injector, events, device),
@@ -241,7 +249,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         return 0
     except Exception as err:  # noqa: BLE001 - a failure while joining or building
         if not caused_by_a_peer(err):
-            return _leave_job(member, err, traceback.format_exc())
+            return leave_job(member, err, traceback.format_exc())
         work = _recover(member, None, without_frames(err))
 
     while True:
@@ -259,11 +267,11 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
             log.error("rank %d: job ended by the launcher: %s", rank, end)
             return 1
         except (RecoveryImpossible, CannotContinue, NotAMember) as err:
-            return _leave_job(member, err)
+            return leave_job(member, err)
         except Exception as err:  # noqa: BLE001 - a peer's failure, or this rank's own
             ctl.unwatch()
             if not caused_by_a_peer(err):
-                return _leave_job(member, err, training.error_text)
+                return leave_job(member, err, training.error_text)
             broken = without_frames(err)
         # Outside the except block: an error of this rank's own during the recovery must
         # not carry the peer's error as its context (it would read as a peer's).
@@ -290,9 +298,9 @@ def _recover(member: Member, training: GenerationThread | None,
                 log.error("rank %d: no recovery: %s", member.rank, again)
                 _exit(1)
             if isinstance(again, (RecoveryImpossible, CannotContinue, NotAMember)):
-                _exit(_leave_job(member, again))
+                _exit(leave_job(member, again))
             if not isinstance(again, Exception) or not caused_by_a_peer(again):
-                _exit(_leave_job(member, again, traceback.format_exc()))
+                _exit(leave_job(member, again, traceback.format_exc()))
             err, training = without_frames(again), None
 
 
@@ -305,7 +313,7 @@ def _flush_if_control_lost(member: Member, training: GenerationThread | None) ->
         _exit(1)
 
 
-def _leave_job(member: Member, err: BaseException, details: str = "") -> int:
+def leave_job(member: Member, err: BaseException, details: str = "") -> int:
     """This rank cannot go on (its own error, or it cannot take part): say why, with the
     traceback, and leave at once; the launcher sees the exit and a spare replaces it."""
     from deadpool_megatron.reconstruct.groups import leave_generation
