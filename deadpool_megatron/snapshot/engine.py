@@ -43,13 +43,15 @@ from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum, crc_update
+from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, chunk_table,
+                                                crc_update, unique_checksum)
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
                                                  copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
-                                                  exchange_int)
-from deadpool_megatron.topology import buddy_of, snapshot_pairs, ward_of
+                                                  exchange_int, take_region)
+from deadpool_megatron.topology import ParallelSizes, buddy_of, snapshot_pairs, ward_of
+from deadpool_megatron.topology.replicas import replica_source_of
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
@@ -117,6 +119,7 @@ class SnapshotEngine(TrainingHooks):
         self.committed_iteration: int | None = None
         injector.follow_commits(self._committed)  # wait=commit faults read it
         self.pipe: _Pipeline | None = None
+        self.source: int | None = None  # see connect
         self._cuda = self.device.index is not None
         self._side_stream: Any = None
         self.own: DoubleBuffer | None = None
@@ -153,6 +156,10 @@ class SnapshotEngine(TrainingHooks):
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
+        sizes = ParallelSizes.from_world(world, self.cfg.tensor_model_parallel_size,
+                                         self.cfg.pipeline_model_parallel_size)
+        # The data-parallel peer on another node holding this rank's replicated bytes.
+        self.source = replica_source_of(self.rank, sizes, rpn)
         links: dict[int, Any] = {}
         for pair in snapshot_pairs(world, rpn, allow):
             group = dist.new_group(ranks=list(pair), backend="gloo", timeout=self.timeout,
@@ -240,15 +247,33 @@ class SnapshotEngine(TrainingHooks):
             log.info(
                 "deadpool snapshots: every %d iteration(s); rank %d -> buddy %d; %.2f MB per "
                 "snapshot (%.2f MB of it replicated on data-parallel peers); host memory held "
-                "%.2f MB (own %d x %.2f, ward 2 x %.2f)",
+                "%.2f MB (own %d x %.2f, ward 2 x %.2f); %.2f MB of it sent to the buddy (%s)",
                 self.ft.deadpool_snapshot_interval, self.rank, self.buddy,
                 self.manifest.nbytes / MB, self.manifest.dp_replicated_bytes / MB,
                 self.host_bytes / MB, len(self.own.slots), self.manifest.nbytes / MB,
-                ward_bytes / MB)
-            self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
-                             shard_bytes=self.manifest.nbytes, ward_bytes=ward_bytes,
-                             dp_replicated_bytes=self.manifest.dp_replicated_bytes,
-                             host_bytes=self.host_bytes)
+                ward_bytes / MB, self.sent_nbytes / MB,
+                f"replicated bytes on data-parallel peer {self.source}"
+                if self.skips_replicated else "the whole shard")
+        self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
+                         shard_bytes=self.manifest.nbytes, ward_bytes=ward_bytes,
+                         dp_replicated_bytes=self.manifest.dp_replicated_bytes,
+                         replicated_region_bytes=self.manifest.replicated_nbytes,
+                         sent_bytes=self.sent_nbytes, replica_source=self.source,
+                         skips_replicated=self.skips_replicated, host_bytes=self.host_bytes)
+
+    @property
+    def skips_replicated(self) -> bool:
+        """This rank sends its buddy only its unique region (see manifest.py): a
+        data-parallel peer on another node holds the replicated one, there is one, and
+        --deadpool-send-replicated is off."""
+        return (not self.ft.deadpool_send_replicated and self.source is not None
+                and self.manifest is not None and self.manifest.replicated_nbytes > 0)
+
+    @property
+    def sent_nbytes(self) -> int:
+        """Tensor bytes of one snapshot that go to the buddy (the small objects aside)."""
+        skip = self.manifest.replicated_nbytes if self.skips_replicated else 0
+        return self.manifest.nbytes - skip
 
     @property
     def host_bytes(self) -> int:
@@ -344,7 +369,22 @@ class SnapshotEngine(TrainingHooks):
         incoming = self.own.loose_slot()
         exchange(self.links, ward_copy, self.ward, incoming, self.buddy,
                  chunk_bytes=self.chunk_bytes)
+        self.complete_locally(incoming)
         return incoming
+
+    def complete_locally(self, incoming: Slot) -> None:
+        """A rehearsal's partial copy from the buddy: its replicated region from this rank's
+        own slot of the same snapshot (the bytes its data-parallel peer holds too), each
+        chunk checked against the table the buddy kept, as a recovery checks the peer's."""
+        if not incoming.partial:
+            return
+        mine = self.own.find(incoming.iteration)
+        if mine is None:
+            raise SnapshotError(f"rank {self.rank}: no own copy of snapshot "
+                                f"{incoming.iteration} to complete the buddy's copy with")
+        take_region(incoming, lambda piece: piece.copy_(
+            mine.flat[piece.data_ptr() - incoming.flat.data_ptr():][:piece.numel()]),
+            f"rank {self.rank}'s own slot", self.chunk_bytes)
 
     # -- worker thread ---------------------------------------------------------------------
     def _work(self, pipe: _Pipeline) -> None:
@@ -392,30 +432,50 @@ class SnapshotEngine(TrainingHooks):
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
         return crc
 
+    def _tabulate(self, slot: Slot) -> None:
+        """A sealed own slot whose replicated region stays home: the region's per-chunk
+        CRC32C table and the checksum of what the buddy gets (table, unique region,
+        objects). One more pass over the region, here instead of sending and checking it."""
+        t0 = time.perf_counter()
+        split = self.manifest.replicated_nbytes
+        table = chunk_table(slot.flat, split, self.chunk_bytes)
+        slot.seal_regions(split, table, unique_checksum(slot.flat, split, table, slot.objects))
+        elapsed = time.perf_counter() - t0
+        self.stats.copy_s += elapsed
+        self.stats.checksum_s += elapsed
+
     def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
         own = self.own.begin_write()
         crc = self._copy(job, own)
         job.copied.set()
         own.seal(job.iteration, job.objects, crc)
+        skip = self.skips_replicated
+        if skip:
+            self._tabulate(own)
         self.stats.snapshots += 1
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)
         corrupt = fault is not None and fault.action == "corrupt"
+        # The first byte that goes on the wire (the unique region's when the replicated one
+        # stays home).
+        wire = own.split if skip else 0
         if corrupt:
             self.injector.fire("snapshot", job.iteration)
-            own.flat[0] ^= 0xFF  # on the wire only: undone below, own CRC stays right
+            own.flat[wire] ^= 0xFF  # on the wire only: undone below, own CRC stays right
         t0 = time.perf_counter()
         try:
             self.stats.verify_s += exchange(
                 links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
-                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
+                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration),
+                skip_replicated=skip)
         except TornTransfer as err:
             self._report_torn(job.iteration, err)
         finally:
             if corrupt:
-                own.flat[0] ^= 0xFF
+                own.flat[wire] ^= 0xFF
         self.stats.transfer_s += time.perf_counter() - t0
-        self.stats.bytes_sent += own.flat.numel() + len(own.objects)
+        self.stats.bytes_sent += own.flat.numel() - (own.split if skip else 0) \
+            + len(own.objects) + (4 * len(own.table) if skip else 0)
         received = incoming.iteration == job.iteration and incoming.verified
         t0 = time.perf_counter()
         acked = acknowledge(links, job.iteration if received else -1, self.ward,
