@@ -350,6 +350,10 @@ class SnapshotEngine(TrainingHooks):
         ward = self.ward_buffer.available() if self.ward_buffer is not None else []
         return own, ward
 
+    def ward_partial(self) -> list[int]:
+        """Of the ward's snapshots held, those without their replicated region."""
+        return self.ward_buffer.partial() if self.ward_buffer is not None else []
+
     def commit_recovered(self, iteration: int) -> None:
         """A recovery agreed on `iteration`: protect it from the next writes."""
         for buffer in (self.own, self.ward_buffer):

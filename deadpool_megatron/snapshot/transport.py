@@ -186,15 +186,16 @@ class ReplicaMismatch(RecoveryImpossible):
 
 
 def fetch_region(link: Any, outgoing: Slot | None, dst: int, incoming: Slot | None,
-                 src: int, chunk_bytes: int) -> None:
+                 src: int, chunk_bytes: int, region_bytes: int) -> None:
     """The replicated region of one snapshot, from the data-parallel peer that holds it
     (`outgoing`, its own verified slot, sent to `dst`) into a partial slot (`incoming`,
     received from `src`, holding the same iteration's unique region and the region's chunk
     table from the buddy). Each received chunk is checked against the table: a mismatch
     raises ReplicaMismatch and leaves `incoming` empty, never half-accepted. On success
-    `incoming` is whole and sealed with the shard's checksum."""
+    `incoming` is whole and sealed with the shard's checksum. `region_bytes`: the length of
+    the replicated region (equal on data-parallel peers: the same parameters)."""
     if outgoing is not None:
-        for piece in _chunks(outgoing.flat[:outgoing.split], 0, chunk_bytes):
+        for piece in _chunks(outgoing.flat[:region_bytes], 0, chunk_bytes):
             dist.send(piece, dst=dst, group=link)
     if incoming is not None:
         take_region(incoming, lambda piece: dist.recv(piece, src=src, group=link),

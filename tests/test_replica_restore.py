@@ -1,0 +1,53 @@
+"""Issue 11, no redundant bytes: a rank whose replicated bytes (parameters; with a plain
+optimizer its state too) a data-parallel peer on another node holds sends its buddy only
+its unique bytes; after it dies, its spare takes the unique region from the buddy and the
+replicated one from that peer, checked against the buddy's CRC table, bit-exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import GPT_3D_ARGS
+from deadpool_megatron.testing.jobs import JobResult, run_launched
+
+pytestmark = pytest.mark.multiproc
+ITERS = 8
+ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
+
+
+def _events(prefix: Path) -> list[dict]:
+    out = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["t"])
+
+
+@pytest.mark.fault_matrix
+def test_spare_takes_replicated_region_from_dp_peer(tmp_path: Path,
+                                                    failure_free_8: JobResult) -> None:
+    """8 logical nodes of one rank (TP2 x PP2 x DP2, distributed optimizer): rank 5's buddy
+    is rank 6, its data-parallel source rank 7. Rank 5 dies in iteration 4; its spare gets
+    the optimizer shard (unique) from rank 6 and the parameters from rank 7."""
+    events = tmp_path / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+            str(events), "--deadpool-inject", "kill rank=5 iter=4 phase=backward"]
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "8",
+              "--heartbeat-timeout", "10", "--failure-window", "0.05"]
+    run = run_launched(launch, args, tmp_path / "job", timeout_s=400, env=ENV)
+    assert run.ok, run.describe()
+    assert run.fingerprint == failure_free_8.fingerprint, run.describe()
+    ev = _events(events)
+    setup = {e["rank"]: e for e in ev if e["event"] == "snapshot_setup"}
+    assert setup[5]["replica_source"] == 7 and setup[5]["buddy"] == 6
+    assert setup[5]["skips_replicated"] and 0 < setup[5]["sent_bytes"] < setup[5]["shard_bytes"]
+    assert setup[5]["sent_bytes"] == setup[5]["shard_bytes"] - \
+        setup[5]["replicated_region_bytes"]
+    moved = [e for e in ev if e["event"] == "replicated_region_moved"]
+    assert {(e["rank"], e["role"], e["source"], e["to"]) for e in moved} == \
+        {(7, "source", 7, 5), (5, "spare", 7, 5)}, moved
+    spare = [e for e in ev if e["event"] == "recovered" and e["from_buddy"]]
+    assert len(spare) == 1 and spare[0]["rank"] == 5 and spare[0]["replica_from"] == 7
+    assert "taken from data-parallel peer 7, every chunk matching" in run.output
