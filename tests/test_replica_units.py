@@ -170,3 +170,13 @@ def test_report_round_trips_with_its_partial_copies() -> None:
     assert RankReport.from_plain(rep.plain()) == rep
     with pytest.raises(ValueError):
         RankReport.from_plain({**rep.plain(), "ward_partial": ["x"]})
+
+
+def test_host_zero_refuses_a_hot_swap_that_lost_rank_and_source_together() -> None:
+    from deadpool_megatron.control.policy import check_recoverable
+
+    check_recoverable(1, {5}, 8, RPN, False, SOURCES)  # the source (7) lives
+    with pytest.raises(RecoveryImpossible, match=r"replicated bytes of ranks \[5, 7\] are "
+                                                 r"lost.*source, \[7, 5\]"):
+        check_recoverable(1, {5, 7}, 8, RPN, False, SOURCES)
+    check_recoverable(1, {5, 7}, 8, RPN, False, [None] * 8)  # whole copies at the buddies
