@@ -476,7 +476,7 @@ class SnapshotEngine(TrainingHooks):
         wire = own.split if skip else 0
         if corrupt:
             self.injector.fire("snapshot", job.iteration)
-            own.flat[wire] ^= 0xFF  # on the wire only: undone below, own CRC stays right
+            self._flip(own, wire)  # on the wire only: undone below, own CRC stays right
         t0 = time.perf_counter()
         try:
             self.stats.verify_s += exchange(
@@ -487,7 +487,7 @@ class SnapshotEngine(TrainingHooks):
             self._report_torn(job.iteration, err)
         finally:
             if corrupt:
-                own.flat[wire] ^= 0xFF
+                self._flip(own, wire)
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() - (own.split if skip else 0) \
             + len(own.objects) + (4 * len(own.table) if skip else 0)
@@ -515,6 +515,15 @@ class SnapshotEngine(TrainingHooks):
                         "the buddy's copy of it did not verify" if not acked
                         else f"the copy from ward {self.ward} did not verify",
                         self.committed_iteration)
+
+    @staticmethod
+    def _flip(own: Slot, wire: int) -> None:
+        """An injected corruption of what goes to the buddy (applied twice: undone): the
+        first tensor byte sent, or, when no tensor byte is sent, the checksum sent."""
+        if wire < own.flat.numel():
+            own.flat[wire] ^= 0xFF
+        else:
+            own.unique_crc ^= 0xFF
 
     def _report_torn(self, iteration: int, err: Exception) -> None:
         prior = self.ward_buffer.committed_slot()

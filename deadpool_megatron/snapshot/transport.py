@@ -148,6 +148,8 @@ def exchange(links: Mapping[int, Any], outgoing: Slot | None, buddy: int,
         count = max(len(out_parts), len(in_parts))
         pending = _post(links, part(out_parts, 0), buddy, part(in_parts, 0), ward) \
             if count else []
+        if not count:  # nothing but objects and table (every tensor byte replicated)
+            after_first_chunk()
         for i in range(count):
             for r in pending:
                 r.wait()
