@@ -51,3 +51,26 @@ def test_spare_takes_replicated_region_from_dp_peer(tmp_path: Path,
     spare = [e for e in ev if e["event"] == "recovered" and e["from_buddy"]]
     assert len(spare) == 1 and spare[0]["rank"] == 5 and spare[0]["replica_from"] == 7
     assert "taken from data-parallel peer 7, every chunk matching" in run.output
+
+
+@pytest.mark.fault_matrix
+def test_rank_and_its_source_lost_together_fall_back_cleanly(tmp_path: Path,
+                                                             failure_free_8: JobResult) -> None:
+    """Rank 5 and rank 7, its data-parallel source, die together: rank 5's parameters are
+    on no live rank (its buddy, rank 6, holds only its unique bytes). Host 0 refuses the
+    hot swap, the flush cannot write a whole shard of ranks 5 and 7, and the restart takes
+    the newest checkpoint (iteration 2): bit-exact, never a silently wrong state."""
+    ckpt = tmp_path / "ckpt"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool",
+            "--save", str(ckpt), "--save-interval", "2",
+            "--deadpool-inject", "kill rank=5 iter=4 phase=optimizer",
+            "--deadpool-inject", "kill rank=7 iter=4 phase=optimizer"]
+    launch = ["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "8",
+              "--heartbeat-timeout", "10", "--failure-window", "2.0"]
+    run = run_launched(launch, args, tmp_path / "job", timeout_s=400, env=ENV)
+    assert "the replicated bytes of ranks [5, 7] are lost" in run.output, run.describe()
+    assert "holds only its unique bytes" in run.output, run.describe()
+    assert "the flush wrote no complete snapshot" in run.output, run.describe()
+    assert "loaded checkpoint of iteration 2" in run.output, run.describe()
+    assert run.ok, run.describe()
+    assert run.fingerprint == failure_free_8.fingerprint
