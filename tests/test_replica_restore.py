@@ -74,3 +74,33 @@ def test_rank_and_its_source_lost_together_fall_back_cleanly(tmp_path: Path,
     assert "loaded checkpoint of iteration 2" in run.output, run.describe()
     assert run.ok, run.describe()
     assert run.fingerprint == failure_free_8.fingerprint
+
+
+@pytest.mark.fault_matrix
+def test_restore_rehearsal_with_plain_optimizer_and_replicated_bytes_at_home(
+        tmp_path: Path) -> None:
+    """Plain optimizer, one rank per node: every optimizer byte is replicated too, so the
+    buddies hold little more than RNG, data position and CRC tables. The restore rehearsal
+    at iteration 5 rebuilds every rank from its buddy's partial copy completed from the
+    rank's own slot (checked against the table); a corrupted transfer at iteration 3 is
+    still never committed; the run ends bit-identical to one without DeadPool."""
+    from deadpool_megatron.testing.jobs import run_job
+
+    plain = [a for a in GPT_3D_ARGS if a != "--use-distributed-optimizer"]
+    args = [*plain, "--train-iters", str(ITERS)]
+    base = run_job(8, args, tmp_path / "base", timeout_s=300)
+    assert base.ok, base.describe()
+    events = tmp_path / "events"
+    run = run_job(8, [*args, "--deadpool", "--deadpool-ranks-per-node", "1",
+                      "--deadpool-verify-restore-at", "5",
+                      "--deadpool-inject", "corrupt rank=2 iter=3 phase=snapshot",
+                      "--deadpool-events", str(events)], tmp_path / "deadpool", timeout_s=300)
+    assert run.ok, run.describe()
+    assert "restore rehearsal: every rank now runs on a fresh model" in run.output
+    assert run.fingerprint == base.fingerprint
+    ev = _events(events)
+    setup = [e for e in ev if e["event"] == "snapshot_setup"]
+    assert len(setup) >= 8 and all(e["skips_replicated"] for e in setup)
+    assert all(e["sent_bytes"] < e["shard_bytes"] // 10 for e in setup), setup
+    torn = [e for e in ev if e["event"] == "snapshot_not_committed"]
+    assert {(e["rank"], e["iteration"]) for e in torn} == {(2, 3), (3, 3)}, torn
