@@ -180,3 +180,24 @@ def test_host_zero_refuses_a_hot_swap_that_lost_rank_and_source_together() -> No
                                                  r"lost.*source, \[7, 5\]"):
         check_recoverable(1, {5, 7}, 8, RPN, False, SOURCES)
     check_recoverable(1, {5, 7}, 8, RPN, False, [None] * 8)  # whole copies at the buddies
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 1 << 20])
+def test_copy_and_tabulate_is_one_pass_equal_to_the_separate_checksums(chunk: int) -> None:
+    from deadpool_megatron.snapshot.manifest import copy_and_tabulate
+
+    model, holder = _model_and_optimizer()
+    m = build_manifest([model], holder, distributed_optimizer=True)  # both regions
+    flat = torch.zeros(m.nbytes, dtype=torch.uint8)
+    table, unique, seconds = copy_and_tabulate(m, flat, chunk, b"objects")
+    split = m.replicated_nbytes
+    assert table == chunk_table(flat, split, chunk) and seconds >= 0
+    assert unique == unique_checksum(flat, split, table, b"objects")
+    slot = Slot(flat)
+    slot.seal(2, b"objects", None)  # no whole checksum computed
+    slot.seal_regions(split, table, unique, chunk=chunk)
+    assert slot.verify()  # checked by table and unique checksum
+    flat[split // 2] ^= 1  # a replicated byte: caught by the table
+    assert not slot.verify()
+    flat[split // 2] ^= 1
+    assert slot.verify() and slot.whole_crc() == checksum(flat, b"objects")

@@ -69,7 +69,7 @@ class Slot:
     flat: torch.Tensor  # uint8, host memory (pinned on GPU machines)
     iteration: int = -1  # the iteration whose end state it holds; -1: nothing valid
     objects: bytes = b""
-    crc: int = 0
+    crc: int | None = 0  # `checksum`; None: not computed (see `whole_crc`)
     # The checksum was computed from these very bytes as they were written (copied or
     # received) and matched: `check` then trusts it instead of reading them again.
     verified: bool = False
@@ -81,31 +81,48 @@ class Slot:
     partial: bool = False
     unique_crc: int = 0  # `unique_checksum` of the slot, with a table
 
+    chunk: int = 0  # the table's chunk size
+
     def verify(self) -> bool:
-        """Recompute the checksum over the bytes held now (a deep check; sets `verified`)."""
-        if self.partial:
-            now = unique_checksum(self.flat, self.split, self.table, self.objects)
+        """Recompute the checksum over the bytes held now (a deep check; sets `verified`).
+        A slot whose whole checksum was never computed (an own slot whose replicated region
+        stays home: its table and unique checksum cover every byte) is checked by those."""
+        if self.partial or (self.crc is None and self.table):
+            ok = unique_checksum(self.flat, self.split, self.table, self.objects) \
+                == self.unique_crc
+            if ok and not self.partial:
+                ok = chunk_table(self.flat, self.split, self.chunk) == self.table
         else:
-            now = checksum(self.flat, self.objects)
-        self.verified = self.iteration >= 0 and now == self.crc
+            ok = checksum(self.flat, self.objects) == self.crc
+        self.verified = self.iteration >= 0 and ok
         return self.verified
+
+    def whole_crc(self) -> int:
+        """`checksum` of the whole slot (computed here, once, for a slot sealed with its
+        table only: few need it, a flush or a whole send)."""
+        if self.partial:
+            raise ValueError("a partial copy has no whole checksum")
+        if self.crc is None:
+            self.crc = checksum(self.flat, self.objects)
+        return self.crc
 
     def check(self) -> bool:
         """Holds a whole snapshot: verified once (when written, or here on first use for a
         slot that came from elsewhere, e.g. read back from disk), never again."""
         return self.iteration >= 0 and (self.verified or self.verify())
 
-    def seal(self, iteration: int, objects: bytes, crc: int) -> None:
+    def seal(self, iteration: int, objects: bytes, crc: int | None) -> None:
         """Mark the slot written with `iteration`, whose checksum `crc` was computed from
         its bytes while they were written."""
         self.objects, self.crc, self.iteration, self.verified = objects, crc, iteration, True
 
     def seal_regions(self, split: int, table: tuple[int, ...], unique_crc: int,
-                     partial: bool = False) -> None:
-        """Record the replicated region's chunk table and the unique checksum (after
-        `seal`); `partial`: the region's bytes are not held here."""
+                     partial: bool = False, chunk: int = 0) -> None:
+        """Record the replicated region's chunk table (of `chunk`-byte pieces) and the
+        unique checksum (after `seal`); `partial`: the region's bytes are not held here."""
         self.split, self.table, self.unique_crc, self.partial = split, table, unique_crc, \
             partial
+        self.chunk = chunk
 
 
 @dataclass

@@ -46,7 +46,7 @@ from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, chunk_table,
                                                 crc_update, unique_checksum)
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
-                                                 copy_into)
+                                                 copy_and_tabulate, copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
                                                   exchange_int, take_region)
@@ -425,18 +425,31 @@ class SnapshotEngine(TrainingHooks):
                 return
             pipe.idle.set()
 
-    def _copy(self, job: _Job, slot: Slot) -> int:
-        """Fill `slot` with the shard; returns the checksum of its bytes (computed while
-        copying on the host, in one pass after the side-stream copy on a GPU)."""
+    def _copy(self, job: _Job, slot: Slot, skip: bool) -> None:
+        """Fill `slot` with the shard and seal it. Its checksum is computed while copying on
+        the host (in one pass after the side-stream copy on a GPU): the whole slot's, or,
+        when the replicated region stays home (`skip`), that region's per-chunk table and
+        the checksum of what the buddy gets (table, unique region, objects): one pass
+        either way, the whole checksum then only on demand (Slot.whole_crc)."""
         t0 = time.perf_counter()
+        split, chunk = self.manifest.replicated_nbytes, self.chunk_bytes
+        table: tuple[int, ...] = ()
+        unique, crc = 0, None
         if self._cuda:
             with torch.cuda.stream(self._side_stream):
                 self._side_stream.wait_event(job.ready)
                 copy_into(self.manifest, slot.flat, non_blocking=True)
             self._side_stream.synchronize()
             t1 = time.perf_counter()
-            crc = checksum(slot.flat, job.objects)
+            if skip:
+                table = chunk_table(slot.flat, split, chunk)
+                unique = unique_checksum(slot.flat, split, table, job.objects)
+            else:
+                crc = checksum(slot.flat, job.objects)
             crc_s = time.perf_counter() - t1
+        elif skip:
+            table, unique, crc_s = copy_and_tabulate(self.manifest, slot.flat, chunk,
+                                                     job.objects)
         else:
             crc, crc_s = copy_and_checksum(self.manifest, slot.flat)
             t1 = time.perf_counter()
@@ -445,28 +458,15 @@ class SnapshotEngine(TrainingHooks):
         self.stats.copy_s += time.perf_counter() - t0
         self.stats.checksum_s += crc_s
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
-        return crc
-
-    def _tabulate(self, slot: Slot) -> None:
-        """A sealed own slot whose replicated region stays home: the region's per-chunk
-        CRC32C table and the checksum of what the buddy gets (table, unique region,
-        objects). One more pass over the region, here instead of sending and checking it."""
-        t0 = time.perf_counter()
-        split = self.manifest.replicated_nbytes
-        table = chunk_table(slot.flat, split, self.chunk_bytes)
-        slot.seal_regions(split, table, unique_checksum(slot.flat, split, table, slot.objects))
-        elapsed = time.perf_counter() - t0
-        self.stats.copy_s += elapsed
-        self.stats.checksum_s += elapsed
+        slot.seal(job.iteration, job.objects, crc)
+        if skip:
+            slot.seal_regions(split, table, unique, chunk=chunk)
 
     def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
         own = self.own.begin_write()
-        crc = self._copy(job, own)
-        job.copied.set()
-        own.seal(job.iteration, job.objects, crc)
         skip = self.skips_replicated
-        if skip:
-            self._tabulate(own)
+        self._copy(job, own, skip)
+        job.copied.set()
         self.stats.snapshots += 1
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)

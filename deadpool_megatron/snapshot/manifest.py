@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
-from deadpool_megatron.snapshot.buffers import crc_update
+from deadpool_megatron.snapshot.buffers import crc_update, table_bytes
 
 
 ALIGN = 64
@@ -177,6 +177,50 @@ def copy_and_checksum(manifest: Manifest, flat: torch.Tensor) -> tuple[int, floa
     t0 = time.perf_counter()
     crc = crc_update(crc, flat[done:])
     return crc, crc_s + time.perf_counter() - t0
+
+
+def copy_and_tabulate(manifest: Manifest, flat: torch.Tensor, chunk: int,
+                      objects: bytes) -> tuple[tuple[int, ...], int, float]:
+    """Host tensors only, for a rank whose replicated region stays home: copy every live
+    tensor into `flat`, checksumming each slice right after its copy, as
+    `copy_and_checksum`, but into the replicated region's per-chunk CRC32C table and the
+    `unique_checksum` (table, unique region, objects): one pass, no whole checksum.
+    Returns the table, the unique checksum and the seconds spent on checksums."""
+    split = manifest.replicated_nbytes
+    table: list[int] = []
+    current, chunk_start, done, crc_s = 0, 0, 0, 0.0
+    unique: int | None = None
+
+    def feed(pos: int, end: int) -> None:
+        nonlocal current, chunk_start, unique
+        while pos < end:
+            if pos < split:
+                chunk_end = min(chunk_start + chunk, split)
+                stop = min(end, chunk_end)
+                current = crc_update(current, flat[pos:stop])
+                pos = stop
+                if pos == chunk_end:
+                    table.append(current)
+                    current, chunk_start = 0, pos
+            else:
+                if unique is None:
+                    unique = crc_update(0, table_bytes(tuple(table)))
+                unique = crc_update(unique, flat[pos:end])
+                pos = end
+
+    for t, e in zip(manifest.tensors, manifest.entries):
+        end = e.offset + e.nbytes
+        flat[e.offset:end].view(t.dtype).view(t.shape).copy_(t)
+        t0 = time.perf_counter()
+        feed(done, end)
+        crc_s += time.perf_counter() - t0
+        done = end
+    t0 = time.perf_counter()
+    feed(done, flat.numel())
+    if unique is None:  # no unique tensor bytes
+        unique = crc_update(0, table_bytes(tuple(table)))
+    unique = crc_update(unique, objects)
+    return tuple(table), unique, crc_s + time.perf_counter() - t0
 
 
 def restore_from(manifest: Manifest, flat: torch.Tensor) -> None:

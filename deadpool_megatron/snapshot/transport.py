@@ -109,7 +109,7 @@ def exchange(links: Mapping[int, Any], outgoing: Slot | None, buddy: int,
             out_skip = outgoing.split if partial else 0
             out_table = torch.tensor(outgoing.table, dtype=torch.int64) if partial else None
             out_hdr = Header(outgoing.iteration,
-                             outgoing.unique_crc if partial else outgoing.crc,
+                             outgoing.unique_crc if partial else outgoing.whole_crc(),
                              len(outgoing.objects), outgoing.flat.numel(), out_skip,
                              len(outgoing.table) if partial else 0).tensor()
         _exchange(links, out_hdr, buddy, in_hdr, ward)
@@ -176,7 +176,8 @@ def exchange(links: Mapping[int, Any], outgoing: Slot | None, buddy: int,
                                f"from ward {ward}")
         incoming.seal(header.iteration, objects, header.crc)
         if header.skip:
-            incoming.seal_regions(header.skip, table, header.crc, partial=True)
+            incoming.seal_regions(header.skip, table, header.crc, partial=True,
+                                  chunk=chunk_bytes)
         else:
             incoming.seal_regions(0, (), 0)
     return crc_s
@@ -230,7 +231,7 @@ def take_region(incoming: Slot, receive: Callable[[torch.Tensor], Any], origin: 
     whole = crc_update(crc_update(0, incoming.flat), incoming.objects)
     unique_crc = incoming.crc
     incoming.seal(iteration, incoming.objects, whole)
-    incoming.seal_regions(incoming.split, incoming.table, unique_crc)
+    incoming.seal_regions(incoming.split, incoming.table, unique_crc, chunk=chunk_bytes)
 
 
 def acknowledge(links: Mapping[int, Any], verdict: int, ward: int, buddy: int) -> int:
