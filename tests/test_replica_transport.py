@@ -5,7 +5,6 @@ chunk from the peer refused."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import traceback
 from datetime import timedelta
 from pathlib import Path

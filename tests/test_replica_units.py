@@ -14,7 +14,7 @@ from deadpool_megatron.config import parse_configs
 from deadpool_megatron.replay.plan import SPARE_REPORT, RankReport, plan_recovery
 from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, chunk_table,
                                                 unique_checksum)
-from deadpool_megatron.snapshot.manifest import build_manifest, copy_into
+from deadpool_megatron.snapshot.manifest import build_manifest
 from deadpool_megatron.snapshot.transport import ReplicaMismatch, take_region
 from deadpool_megatron.topology import ParallelSizes, buddy_map, coord_of
 from deadpool_megatron.topology.replicas import replica_sources
