@@ -29,6 +29,13 @@ class DeadPoolConfig:
     deadpool_snapshot_chunk_mb: float = field(
         default=16.0, metadata=flag("Buddy transfers stream in chunks of this many MB.")
     )
+    deadpool_send_replicated: bool = field(
+        default=False,
+        metadata=flag("Send each snapshot's data-parallel replicated bytes (parameters; with "
+                      "a plain optimizer, its state too) to the buddy as well. By default a "
+                      "rank whose data-parallel peer on another node holds them sends only "
+                      "its unique bytes, and a recovery takes the rest from that peer."),
+    )
     deadpool_snapshot_timeout: float = field(
         default=120.0, metadata=flag("Seconds any snapshot transfer or commit may block.")
     )

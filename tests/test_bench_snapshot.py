@@ -35,3 +35,13 @@ def test_distributed_optimizer_flag_reaches_both_jobs() -> None:
     assert out.returncode == 0, out.stderr
     jobs = [line for line in out.stdout.splitlines() if line.startswith("would run")]
     assert len(jobs) == 2 and all("--use-distributed-optimizer" in j for j in jobs)
+
+
+def test_compare_send_replicated_adds_a_third_job() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "tools/bench_snapshot.py"), "--dry-run",
+                          "--compare-send-replicated"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    jobs = [line for line in out.stdout.splitlines() if line.startswith("would run")]
+    assert len(jobs) == 3
+    assert ["--deadpool-send-replicated" in j for j in jobs] == [False, False, True]

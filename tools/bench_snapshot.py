@@ -9,7 +9,11 @@ iteration, the host memory each rank holds for snapshots, and each snapshot stag
 bandwidth next to this machine's memory-copy bandwidth (measured here, single-threaded), so
 the distance to the physical limit is visible. Writes a JSON summary.
 `--use-distributed-optimizer` shards the optimizer state: each rank's share is unique, so
-all of it must go to a buddy.
+all of it must go to a buddy. By default a rank sends its buddy only the bytes no
+data-parallel peer on another node holds (parameters, and a plain optimizer's state, stay
+home); `--compare-send-replicated` adds a third job per round with
+`--deadpool-send-replicated` (everything sent, as before), so both are measured side by
+side against the same runs without snapshots.
 On a GPU machine the snapshot is a side-stream copy into pinned host memory
 (tools/gpu_check.sh runs it on a 1B-parameter model); `--dry-run` prints the jobs and the
 model's size, after checking their flags, and runs nothing.
@@ -38,6 +42,7 @@ SUMMARY = re.compile(r"per snapshot ([0-9.]+) MB copied in ([0-9.]+) ms, ([0-9.]
 STAGES = re.compile(r"checksum of the copy ([0-9.]+) ms, of the received copy ([0-9.]+) ms, "
                     r"commit ([0-9.]+) ms")
 MB = 1 << 20
+MODES = {"off": [], "on": [], "on_send_all": ["--deadpool-send-replicated"]}
 
 
 def model_args(ns: argparse.Namespace) -> list[str]:
@@ -101,7 +106,8 @@ def dry_run(ns: argparse.Namespace) -> int:
     from deadpool_megatron.config import TrainConfig, parse_configs
     from deadpool_megatron.ft_config import DeadPoolConfig
 
-    for mode, extra in (("off", []), ("on", deadpool_args(ns))):
+    for mode in modes(ns):
+        extra = [] if mode == "off" else deadpool_args(ns) + MODES[mode]
         args = model_args(ns) + extra
         cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], args, prog="pretrain_gpt.py")
         cfg.validate(ns.nproc)
@@ -110,6 +116,24 @@ def dry_run(ns: argparse.Namespace) -> int:
               f"pretrain_scripts/pretrain_gpt.py {' '.join(args)}", flush=True)
     print(f"model parameters: {model_parameters(ns)} ({model_parameters(ns) / 1e9:.2f} B)")
     return 0
+
+
+def modes(ns: argparse.Namespace) -> list[str]:
+    return ["off", "on"] + (["on_send_all"] if ns.compare_send_replicated else [])
+
+
+def parse_details(output: str) -> dict[str, float]:
+    """The snapshot figures a job with --deadpool logs (rank 0's lines)."""
+    details: dict[str, float] = {}
+    if m := SETUP.search(output):
+        details.update(snapshot_mb=float(m[1]), dp_replicated_mb=float(m[2]),
+                       host_mb_per_rank=float(m[3]))
+    if m := SUMMARY.search(output):
+        details.update(copied_mb=float(m[1]), copy_ms=float(m[2]), sent_mb=float(m[3]),
+                       transfer_ms=float(m[4]), main_wait_ms_total=float(m[5]))
+    if m := STAGES.search(output):
+        details.update(checksum_ms=float(m[1]), verify_ms=float(m[2]), commit_ms=float(m[3]))
+    return details
 
 
 def main() -> int:
@@ -128,6 +152,9 @@ def main() -> int:
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel ranks (each rank's "
                         "share is unique: all of it goes to a buddy)")
+    p.add_argument("--compare-send-replicated", action="store_true",
+                   help="also run each round with --deadpool-send-replicated (the buddy gets "
+                        "the data-parallel replicated bytes too), side by side")
     p.add_argument("--out", type=Path, default=None, help="JSON summary path")
     p.add_argument("--dry-run", action="store_true", help="check and print; run nothing")
     ns = p.parse_args()
@@ -135,12 +162,12 @@ def main() -> int:
         return dry_run(ns)
     print(f"model parameters: {model_parameters(ns)} ({model_parameters(ns) / 1e9:.2f} B)",
           flush=True)
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    details: dict[str, object] = {}
+    times: dict[str, list[float]] = {mode: [] for mode in modes(ns)}
+    per_mode: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
-            for mode in ("off", "on"):
-                extra = deadpool_args(ns) if mode == "on" else []
+            for mode in modes(ns):
+                extra = [] if mode == "off" else deadpool_args(ns) + MODES[mode]
                 job = run_job(ns.nproc, model_args(ns) + extra, Path(tmp) / f"{mode}{rnd}",
                               timeout_s=900)
                 if not job.ok:
@@ -148,20 +175,12 @@ def main() -> int:
                     return 1
                 iters = [(int(i), float(ms)) for i, ms in ITER_MS.findall(job.output)]
                 times[mode] += [ms for i, ms in iters if i > ns.warmup]
-                if mode == "on":
-                    if m := SETUP.search(job.output):
-                        details.update(snapshot_mb=float(m[1]), dp_replicated_mb=float(m[2]),
-                                       host_mb_per_rank=float(m[3]))
-                    if m := SUMMARY.search(job.output):
-                        details.update(copied_mb=float(m[1]), copy_ms=float(m[2]),
-                                       sent_mb=float(m[3]), transfer_ms=float(m[4]),
-                                       main_wait_ms_total=float(m[5]))
-                    if m := STAGES.search(job.output):
-                        details.update(checksum_ms=float(m[1]), verify_ms=float(m[2]),
-                                       commit_ms=float(m[3]))
-                print(f"round {rnd} {mode:>3}: median {statistics.median(times[mode]):.1f} ms "
+                if mode != "off":
+                    per_mode[mode] = parse_details(job.output)
+                print(f"round {rnd} {mode:>11}: median {statistics.median(times[mode]):.1f} ms "
                       f"per iteration so far", flush=True)
     memcpy = memcpy_gbps()
+    details = per_mode["on"]
     bandwidths = stage_bandwidths(details)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     mean_off, mean_on = statistics.fmean(times["off"]), statistics.fmean(times["on"])
@@ -173,10 +192,22 @@ def main() -> int:
                "mean_ms_off": mean_off, "mean_ms_on": mean_on,
                "mean_ratio_on_off": mean_on / mean_off, **details,
                "memcpy_gb_s": round(memcpy, 2), "stage_gb_s": bandwidths}
+    if "on_send_all" in times:
+        all_on = statistics.median(times["on_send_all"])
+        summary["send_all"] = {"median_ms_on": all_on, "ratio_on_off": all_on / off,
+                               "mean_ratio_on_off":
+                                   statistics.fmean(times["on_send_all"]) / mean_off,
+                               **per_mode["on_send_all"],
+                               "stage_gb_s": stage_bandwidths(per_mode["on_send_all"])}
     print(json.dumps(summary, indent=2))
     print(f"ratio on/off = {on / off:.3f} (median), {mean_on / mean_off:.3f} (mean); per snapshot {details.get('copied_mb')} MB copied "
           f"to host and {details.get('sent_mb')} MB sent to the buddy per rank; host memory "
           f"held {details.get('host_mb_per_rank')} MB per rank")
+    if "send_all" in summary:
+        every = summary["send_all"]
+        print(f"with --deadpool-send-replicated: ratio on/off = {every['ratio_on_off']:.3f} "
+              f"(median), {every['mean_ratio_on_off']:.3f} (mean); {every.get('sent_mb')} MB "
+              f"sent to the buddy per rank and snapshot")
     print(f"memory-copy bandwidth here (one thread): {memcpy:.2f} GB/s")
     for name, gbps in bandwidths.items():
         print(f"  {name:<28} {gbps:7.2f} GB/s  ({gbps / memcpy:.2f} x memory copy)")

@@ -301,6 +301,11 @@ class ControlClient:
                 raise TimeoutError(f"worker {self.worker}: rendezvous of generation "
                                    f"{generation} incomplete after {self.timeout_s:.0f} s")
 
+    def publish_replica_sources(self, sources: list[int | None]) -> None:
+        """Tell host 0 whose replicated bytes live only on a data-parallel peer, so that it
+        refuses a hot-swap that lost both (and flushes) before any rank tries one."""
+        self.store.set(keys.REPLICA_SOURCES, json.dumps(sources))
+
     def report_failure(self, reason: str) -> None:
         try:
             self.store.set(keys.failure_report(self.worker), reason)

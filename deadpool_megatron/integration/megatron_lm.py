@@ -151,6 +151,7 @@ class RewindRehearsal(TrainingHooks):
         incoming = engine.own.loose_slot()
         exchange(engine.links, outgoing, engine.ward, incoming, engine.buddy,
                  chunk_bytes=engine.chunk_bytes)
+        engine.complete_locally(incoming)
         if not incoming.check() or incoming.iteration != max(held):
             raise RuntimeError(f"rank {engine.rank}: the buddy's copy of snapshot {max(held)} "
                                f"did not arrive whole")

@@ -199,6 +199,19 @@ class Coordinator:
                              f"{self.cfg.heartbeat_timeout:.1f} s)"}[how],
                     f": {reason.splitlines()[0][:300]}" if reason else "")
 
+    def _replica_sources(self) -> list[int | None] | None:
+        """What rank 0 published of who holds each rank's replicated bytes (None: not yet
+        published, or malformed: then only the buddy rule applies)."""
+        value = self.store.read(keys.REPLICA_SOURCES)
+        try:
+            sources = json.loads(value) if value is not None else None
+        except ValueError:
+            return None
+        if not isinstance(sources, list) or len(sources) != self.world or not all(
+                s is None or (isinstance(s, int) and 0 <= s < self.world) for s in sources):
+            return None
+        return sources
+
     def _reported(self, worker: str) -> str:
         """What the worker said of its own failure before leaving (empty if nothing)."""
         value = self.store.read(keys.failure_report(worker))
@@ -286,7 +299,7 @@ class Coordinator:
                                 f"(no hot-swap)")
         try:
             check_recoverable(self.generation, failed_ranks, self.world, self.rpn,
-                              self.allow_same_node)
+                              self.allow_same_node, self._replica_sources())
             plan = assign_spares(self.generation, self.current, failed_ranks, self.spares,
                                  self._avoid_hosts(failed_ranks),
                                  {s: self.cfg.host_of(s) for s in self.spares})

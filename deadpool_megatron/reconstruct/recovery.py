@@ -5,8 +5,10 @@
     rejoin  meet the new generation's members and create its groups;
     rebind  swap the new groups into the kept model, DDP, optimizer and Megatron's globals;
     restore agree on a snapshot and on who recomputes what (replay/plan.py); the spare
-            receives its shard from its buddy; a survivor restores only what the failure
-            touched (usually nothing);
+            receives its shard from its buddy (only the unique region, when its
+            data-parallel source holds the replicated one: that comes from the source's
+            own slot, checked against the buddy's CRC table); a survivor restores only
+            what the failure touched (usually nothing);
     replay  hand the plan's micro-batches to the training loop.
 
 A spare enters at `rejoin`, with objects it built alone for the failed coordinates
@@ -48,8 +50,9 @@ from deadpool_megatron.replay.plan import (FRESH_START, SPARE_REPORT, Microbatch
                                            RankReport, RecoveryPlan, plan_recovery)
 from deadpool_megatron.snapshot.engine import SnapshotEngine
 from deadpool_megatron.snapshot.restore import restore_shard, rewind_rng
-from deadpool_megatron.snapshot.transport import exchange
+from deadpool_megatron.snapshot.transport import exchange, fetch_region
 from deadpool_megatron.topology import ParallelSizes, buddy_of, coord_of, ward_of
+from deadpool_megatron.topology.replicas import replica_sources
 
 log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
@@ -152,12 +155,19 @@ class Member:
         if self.state is None:
             return SPARE_REPORT
         own, ward = self.engine.held()
+        partial = tuple(self.engine.ward_partial())
         if not self.state_valid:
-            return RankReport(tuple(own), tuple(ward), None, False, self.state.iteration)
+            return RankReport(tuple(own), tuple(ward), None, False, self.state.iteration,
+                              ward_partial=partial)
         state, ledger = self.state, self.ledger
         live, reached = ledger.live_iteration(state), ledger.reached(state)
         return RankReport(tuple(own), tuple(ward), live, ledger.grads_intact(state), reached,
-                          at_start=live == reached == self.start_iteration)
+                          at_start=live == reached == self.start_iteration,
+                          ward_partial=partial)
+
+    def sources(self) -> list[int | None]:
+        """Per rank, the data-parallel peer on another node holding its replicated bytes."""
+        return replica_sources(self.sizes, self.ft.ranks_per_node(self.world))
 
 
 def _param_identity(objs: Any) -> list[tuple[int, int]]:
@@ -375,7 +385,7 @@ def agree(member: Member, report: RankReport) -> tuple[RecoveryPlan, list[int]]:
     num_mb = member.cfg.num_microbatches(member.world)
     plan = plan_recovery(reports, replaced, member.buddies(),
                          [member.replica_of(r) for r in range(member.world)], num_mb,
-                         member.ft.deadpool_replay)
+                         member.ft.deadpool_replay, member.sources())
     return plan, sizes
 
 
@@ -401,13 +411,51 @@ def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> 
     incoming = engine.own.begin_write() if need else None
     if incoming is not None or outgoing is not None:
         exchange(engine.links, outgoing, ward, incoming, buddy, chunk_bytes=engine.chunk_bytes)
+    _take_replicated(member, plan, incoming)
     refill_out = engine.own.find(t) if plan.refill_ward[buddy] else None
     refill_in = None
     if plan.refill_ward[rank]:
         engine.ensure_ward_buffer(shard_bytes[ward])
         refill_in = engine.ward_buffer.begin_write()
     if refill_in is not None or refill_out is not None:
-        exchange(engine.links, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes)
+        exchange(engine.links, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes,
+                 skip_replicated=engine.skips_replicated and refill_out is not None
+                 and refill_out.split > 0)
+
+
+def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
+    """Round 1b: a rank whose buddy held only the unique region of the target takes the
+    replicated one from its data-parallel source's own slot, each chunk checked against
+    the CRC table the buddy kept (transport.fetch_region). Every rank walks the pairs in
+    one global order and creates each pair's two-rank group, so group names agree and no
+    cycle of ranks waits on each other; only the members connect and move bytes."""
+    import torch.distributed as dist
+
+    engine, rank, t = member.engine, member.rank, plan.target
+    pairs = sorted((src, r) for r, src in enumerate(plan.replica_from) if src is not None)
+    for src, dst in pairs:
+        group = dist.new_group(ranks=sorted((src, dst)), backend="gloo",
+                               timeout=engine.timeout, group_desc="DEADPOOL_REPLICA_FETCH")
+        if rank not in (src, dst):
+            continue
+        outgoing = engine.own.find(t) if rank == src else None
+        if rank == src and outgoing is None:
+            raise RuntimeError(f"rank {rank} lost its own snapshot {t}, which rank {dst} "
+                               f"needs for its replicated region")
+        t0 = time.perf_counter()
+        region = engine.manifest.replicated_nbytes
+        if rank == dst and incoming.split != region:
+            raise RuntimeError(f"rank {rank}: the buddy's copy of snapshot {t} skips "
+                               f"{incoming.split} bytes, this layout replicates {region}")
+        fetch_region(group, outgoing, dst, incoming if rank == dst else None, src,
+                     engine.chunk_bytes, region)
+        member.events.emit("replicated_region_moved", target=t, source=src, to=dst,
+                           bytes=region, role="source" if rank == src else "spare",
+                           ms=round(1e3 * (time.perf_counter() - t0), 1))
+        if rank == dst:
+            log.info("rank %d: replicated region of snapshot %d (%.2f MB) taken from "
+                     "data-parallel peer %d, every chunk matching the buddy's CRC table",
+                     rank, t, region / (1 << 20), src)
 
 
 def _apply(member: Member, plan: RecoveryPlan) -> None:
@@ -456,7 +504,9 @@ def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = Non
     rank = member.rank
     member.events.emit(
         "recovered", generation=generation, restored=plan.target, how=plan.restore[rank],
-        from_buddy=plan.restore[rank] == "buddy", groups_s=t_groups - t0,
+        from_buddy=plan.restore[rank] == "buddy",
+        replica_from=plan.replica_from[rank] if plan.replica_from else None,
+        groups_s=t_groups - t0,
         total_s=time.perf_counter() - t0, references_rebound=references,
         last_iteration=plan.last_iteration, microbatches_recomputed=plan.recomputed(rank),
         whole_iteration_replay=plan.whole_iteration_replay(),
@@ -567,7 +617,12 @@ def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
         holdings.append((ward, engine.ward_buffer))
     for rank, buffer in holdings:
         for iteration in buffer.available() if buffer is not None else []:
-            write_shard(save, rank, buffer.find(iteration))
+            slot = buffer.find(iteration)
+            if slot.partial:  # its replicated region is on a data-parallel peer, not here
+                log.warning("rank %d: not flushing rank %d's snapshot %d: this copy holds "
+                            "only its unique bytes", member.rank, rank, iteration)
+                continue
+            write_shard(save, rank, slot)
             written.setdefault(str(rank), []).append(iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written

@@ -5,7 +5,11 @@ again. Plain data in and out, so it is tested at 100,000 simulated ranks.
 The rules:
 - The target T is the newest snapshot iteration that every survivor can stand on (it holds
   its own copy of T complete, or its live state is T) and whose copy of every replaced rank
-  is complete on that rank's buddy.
+  is complete on that rank's buddy. A buddy's copy without the replicated region (the
+  rank's data-parallel source holds those bytes, snapshot/manifest.py) counts only if that
+  source is no spare and still holds T in its own slots; the replaced rank then takes the
+  region from it (`replica_from`). A source that died too (topology.replicas_lost) leaves
+  no such T: the recovery is impossible, and says so.
 - A replaced rank (a spare), or one that holds no snapshot of its own, restores from its
   buddy; a survivor whose live state is T restores nothing; any other survivor (it stepped
   past T, or a step was cut short) rolls back to its own copy of T. A partly stepped
@@ -64,12 +68,13 @@ class RankReport:
     grads_intact: bool  # live+1's micro-batches all accumulated, unreduced
     reached: int  # the last iteration it did any work on
     at_start: bool = False  # its live state is the job's starting state, nothing begun since
+    ward_partial: tuple[int, ...] = ()  # of `ward`, copies without the replicated region
 
     def plain(self) -> dict[str, Any]:
         """As plain data, for the all-gather of the recovery (never pickled)."""
         return {"own": list(self.own), "ward": list(self.ward), "live": self.live,
                 "grads_intact": self.grads_intact, "reached": self.reached,
-                "at_start": self.at_start}
+                "at_start": self.at_start, "ward_partial": list(self.ward_partial)}
 
     @classmethod
     def from_plain(cls, d: Any) -> "RankReport":
@@ -80,13 +85,13 @@ class RankReport:
             return tuple(x)
 
         if not isinstance(d, dict) or set(d) != {"own", "ward", "live", "grads_intact",
-                                                  "reached", "at_start"}:
+                                                  "reached", "at_start", "ward_partial"}:
             raise ValueError(f"not a rank report: {d!r}")
         if not (d["live"] is None or _is_int(d["live"])) or not _is_int(d["reached"]) or \
                 not isinstance(d["grads_intact"], bool) or not isinstance(d["at_start"], bool):
             raise ValueError(f"malformed rank report: {d!r}")
         return cls(ints(d["own"]), ints(d["ward"]), d["live"], d["grads_intact"], d["reached"],
-                   d["at_start"])
+                   d["at_start"], ints(d["ward_partial"]))
 
 
 def _is_int(x: Any) -> bool:
@@ -104,6 +109,9 @@ class RecoveryPlan:
     last_iteration: int  # F: the last iteration any rank had worked on
     refill_ward: tuple[bool, ...]  # per rank: its ward copy of T is sent to it (a spare)
     num_microbatches: int
+    # per rank: the data-parallel peer whose own slot of T gives it the replicated region
+    # (its buddy holds T without it); None: nothing to take from a peer
+    replica_from: tuple[int | None, ...] = ()
 
     def recomputed(self, rank: int) -> int:
         """Micro-batches `rank` computes for iterations T+1 .. F."""
@@ -121,13 +129,12 @@ class RecoveryPlan:
 
 
 def choose_target(reports: list[RankReport], needs_buddy: list[bool],
-                  buddies: list[int]) -> int | None:
+                  buddies: list[int], sources: list[int | None] | None = None) -> int | None:
     """The newest iteration every rank can stand on (see the module docstring)."""
     candidates: set[int] | None = None
     for rank, report in enumerate(reports):
         if needs_buddy[rank]:
-            holder = buddies[rank]
-            held = set() if needs_buddy[holder] else set(reports[holder].ward)
+            held = _held_for(rank, reports, needs_buddy, buddies, sources)
         else:
             held = set(report.own) | ({report.live} if report.live is not None else set())
         candidates = held if candidates is None else candidates & held
@@ -136,15 +143,32 @@ def choose_target(reports: list[RankReport], needs_buddy: list[bool],
     return max(candidates) if candidates else None
 
 
+def _held_for(rank: int, reports: list[RankReport], needs_buddy: list[bool],
+              buddies: list[int], sources: list[int | None] | None) -> set[int]:
+    """Iterations a rank that restores from its buddy can get whole: the buddy's complete
+    copies, and its partial ones whose replicated region the rank's source holds in its own
+    slots (a source's live state does not count: only a slot can be sent)."""
+    holder = buddies[rank]
+    if needs_buddy[holder]:
+        return set()
+    ward = reports[holder]
+    partial = set(ward.ward_partial)
+    source = sources[rank] if sources is not None else None
+    from_source = set(reports[source].own) if source is not None \
+        and not needs_buddy[source] else set()
+    return {t for t in ward.ward if t not in partial or t in from_source}
+
+
 def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[int],
                   replica_of: list[int], num_microbatches: int,
-                  mode: str = "local") -> RecoveryPlan:
-    """See the module docstring. replica_of[r] is rank r's data-parallel rank."""
+                  mode: str = "local", sources: list[int | None] | None = None) -> RecoveryPlan:
+    """See the module docstring. replica_of[r] is rank r's data-parallel rank; sources[r]
+    the data-parallel peer holding its replicated bytes (topology/replicas.py)."""
     if mode not in MODES:
         raise ValueError(f"replay mode {mode!r}: use one of {', '.join(MODES)}")
     world = len(reports)
     needs_buddy = [r in replaced or not reports[r].own for r in range(world)]
-    target = choose_target(reports, needs_buddy, buddies)
+    target = choose_target(reports, needs_buddy, buddies, sources)
     survivors = [rep for r, rep in enumerate(reports) if r not in replaced]
     if target is None and all(rep.at_start or rep == SPARE_REPORT for rep in survivors):
         return RecoveryPlan(target=FRESH_START, restore=("fresh",) * world,
@@ -152,6 +176,15 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
                             refill_ward=(False,) * world, num_microbatches=num_microbatches)
     if target is None:
         lost = sorted(r for r in range(world) if needs_buddy[r])
+        without = _replicas_gone(lost, reports, needs_buddy, buddies, sources)
+        if without:
+            raise RecoveryImpossible(
+                f"the replicated bytes of ranks {sorted(without)} are lost: their buddies "
+                f"hold only their unique bytes, and their data-parallel sources "
+                f"{sorted({without[r] for r in without})} failed too or no longer hold the "
+                f"snapshot; no in-memory snapshot rebuilds them (restart from the flush or "
+                f"the newest checkpoint; --deadpool-send-replicated keeps whole copies at "
+                f"the buddies)")
         raise RecoveryImpossible(
             f"no snapshot iteration is held by every survivor and by the buddies of ranks "
             f"{lost} (own/ward iterations held: "
@@ -177,8 +210,27 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
         wards[b] = r
     refill = tuple(needs_buddy[r] and not needs_buddy[wards[r]]
                    and target in reports[wards[r]].own for r in range(world))
+    replica_from = tuple(
+        sources[r] if sources is not None and needs_buddy[r]
+        and target in reports[buddies[r]].ward_partial else None for r in range(world))
     return RecoveryPlan(target=target, restore=restore, work=tuple(work), last_iteration=last,
-                        refill_ward=refill, num_microbatches=num_microbatches)
+                        refill_ward=refill, num_microbatches=num_microbatches,
+                        replica_from=replica_from)
+
+
+def _replicas_gone(lost: list[int], reports: list[RankReport], needs_buddy: list[bool],
+                   buddies: list[int], sources: list[int | None] | None) -> dict[int, int]:
+    """Of the ranks restoring from their buddies, those whose buddy holds partial copies
+    only and whose source cannot give the region back: {rank: source}."""
+    gone = {}
+    for r in lost:
+        holder = buddies[r]
+        if needs_buddy[holder] or not reports[holder].ward_partial:
+            continue
+        if not _held_for(r, reports, needs_buddy, buddies, sources) and sources is not None \
+                and sources[r] is not None:
+            gone[r] = sources[r]
+    return gone
 
 
 def _first_iteration(keeps: dict[int, bool], replicas: list[int], num_microbatches: int,

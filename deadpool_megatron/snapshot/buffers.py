@@ -10,6 +10,7 @@ the snapshot that pair committed last.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import crc32c
@@ -31,6 +32,26 @@ def checksum(flat: torch.Tensor, objects: bytes) -> int:
     return crc_update(crc_update(0, flat), objects)
 
 
+def chunk_table(flat: torch.Tensor, end: int, chunk: int) -> tuple[int, ...]:
+    """CRC32C of each `chunk`-byte piece of flat[:end] (the last one may be shorter): what
+    a rank that skips sending its replicated region leaves with its buddy, so the bytes a
+    data-parallel peer gives back at recovery are checked piece by piece."""
+    return tuple(crc_update(0, flat[start:min(start + chunk, end)])
+                 for start in range(0, end, chunk))
+
+
+def table_bytes(table: tuple[int, ...]) -> bytes:
+    """The table as the checksum covers it (little-endian u32 per chunk)."""
+    return struct.pack(f"<{len(table)}I", *table)
+
+
+def unique_checksum(flat: torch.Tensor, split: int, table: tuple[int, ...],
+                    objects: bytes) -> int:
+    """CRC32C over the replicated region's chunk table, then flat[split:], then the objects:
+    the checksum of what a buddy holds of a shard whose replicated region it does not."""
+    return crc_update(crc_update(crc_update(0, table_bytes(table)), flat[split:]), objects)
+
+
 def host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
     """Host bytes for a snapshot slot. On a GPU machine they are pinned: a side-stream copy
     into pageable memory is staged and synchronous, so the snapshot would no longer overlap
@@ -48,25 +69,60 @@ class Slot:
     flat: torch.Tensor  # uint8, host memory (pinned on GPU machines)
     iteration: int = -1  # the iteration whose end state it holds; -1: nothing valid
     objects: bytes = b""
-    crc: int = 0
+    crc: int | None = 0  # `checksum`; None: not computed (see `whole_crc`)
     # The checksum was computed from these very bytes as they were written (copied or
     # received) and matched: `check` then trusts it instead of reading them again.
     verified: bool = False
+    # The replicated region flat[:split] (manifest.py) and the CRC32C of each of its chunks;
+    # split 0: no table. `partial`: a buddy's copy without that region (it lives on a
+    # data-parallel peer); then `crc` is `unique_checksum`, not `checksum`.
+    split: int = 0
+    table: tuple[int, ...] = ()
+    partial: bool = False
+    unique_crc: int = 0  # `unique_checksum` of the slot, with a table
+
+    chunk: int = 0  # the table's chunk size
 
     def verify(self) -> bool:
-        """Recompute the checksum over the bytes held now (a deep check; sets `verified`)."""
-        self.verified = self.iteration >= 0 and checksum(self.flat, self.objects) == self.crc
+        """Recompute the checksum over the bytes held now (a deep check; sets `verified`).
+        A slot whose whole checksum was never computed (an own slot whose replicated region
+        stays home: its table and unique checksum cover every byte) is checked by those."""
+        if self.partial or (self.crc is None and self.table):
+            ok = unique_checksum(self.flat, self.split, self.table, self.objects) \
+                == self.unique_crc
+            if ok and not self.partial:
+                ok = chunk_table(self.flat, self.split, self.chunk) == self.table
+        else:
+            ok = checksum(self.flat, self.objects) == self.crc
+        self.verified = self.iteration >= 0 and ok
         return self.verified
+
+    def whole_crc(self) -> int:
+        """`checksum` of the whole slot (computed here, once, for a slot sealed with its
+        table only: few need it, a flush or a whole send)."""
+        if self.partial:
+            raise ValueError("a partial copy has no whole checksum")
+        if self.crc is None:
+            self.crc = checksum(self.flat, self.objects)
+        return self.crc
 
     def check(self) -> bool:
         """Holds a whole snapshot: verified once (when written, or here on first use for a
         slot that came from elsewhere, e.g. read back from disk), never again."""
         return self.iteration >= 0 and (self.verified or self.verify())
 
-    def seal(self, iteration: int, objects: bytes, crc: int) -> None:
+    def seal(self, iteration: int, objects: bytes, crc: int | None) -> None:
         """Mark the slot written with `iteration`, whose checksum `crc` was computed from
         its bytes while they were written."""
         self.objects, self.crc, self.iteration, self.verified = objects, crc, iteration, True
+
+    def seal_regions(self, split: int, table: tuple[int, ...], unique_crc: int,
+                     partial: bool = False, chunk: int = 0) -> None:
+        """Record the replicated region's chunk table (of `chunk`-byte pieces) and the
+        unique checksum (after `seal`); `partial`: the region's bytes are not held here."""
+        self.split, self.table, self.unique_crc, self.partial = split, table, unique_crc, \
+            partial
+        self.chunk = chunk
 
 
 @dataclass
@@ -108,6 +164,7 @@ class DoubleBuffer:
         self._writing = index
         slot = self.slots[index]
         slot.iteration, slot.verified = -1, False
+        slot.split, slot.table, slot.partial, slot.unique_crc = 0, (), False, 0
         return slot
 
     def commit(self, iteration: int) -> None:
@@ -136,8 +193,14 @@ class DoubleBuffer:
         return None
 
     def available(self) -> list[int]:
-        """Iterations held completely (CRC verified), newest first."""
+        """Iterations held (CRC verified), newest first; a partial copy (no replicated
+        region) counts: see `partial`."""
         return sorted((s.iteration for s in self.slots if s.check()), reverse=True)
+
+    def partial(self) -> list[int]:
+        """Of `available`, the iterations held without their replicated region."""
+        return sorted((s.iteration for s in self.slots if s.partial and s.check()),
+                      reverse=True)
 
     def committed_slot(self) -> Slot | None:
         return None if self.committed is None else self.slots[self.committed]

@@ -43,13 +43,15 @@ from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.snapshot.buffers import DoubleBuffer, Slot, checksum, crc_update
+from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, chunk_table,
+                                                crc_update, unique_checksum)
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
-                                                 copy_into)
+                                                 copy_and_tabulate, copy_into)
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
-                                                  exchange_int)
-from deadpool_megatron.topology import buddy_of, snapshot_pairs, ward_of
+                                                  exchange_int, take_region)
+from deadpool_megatron.topology import ParallelSizes, buddy_of, snapshot_pairs, ward_of
+from deadpool_megatron.topology.replicas import replica_source_of, replica_sources
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
@@ -117,6 +119,7 @@ class SnapshotEngine(TrainingHooks):
         self.committed_iteration: int | None = None
         injector.follow_commits(self._committed)  # wait=commit faults read it
         self.pipe: _Pipeline | None = None
+        self.source: int | None = None  # see connect
         self._cuda = self.device.index is not None
         self._side_stream: Any = None
         self.own: DoubleBuffer | None = None
@@ -153,6 +156,10 @@ class SnapshotEngine(TrainingHooks):
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
         self.ward = ward_of(self.rank, world, rpn, allow)
+        sizes = ParallelSizes.from_world(world, self.cfg.tensor_model_parallel_size,
+                                         self.cfg.pipeline_model_parallel_size)
+        # The data-parallel peer on another node holding this rank's replicated bytes.
+        self.source = replica_source_of(self.rank, sizes, rpn)
         links: dict[int, Any] = {}
         for pair in snapshot_pairs(world, rpn, allow):
             group = dist.new_group(ranks=list(pair), backend="gloo", timeout=self.timeout,
@@ -240,15 +247,44 @@ class SnapshotEngine(TrainingHooks):
             log.info(
                 "deadpool snapshots: every %d iteration(s); rank %d -> buddy %d; %.2f MB per "
                 "snapshot (%.2f MB of it replicated on data-parallel peers); host memory held "
-                "%.2f MB (own %d x %.2f, ward 2 x %.2f)",
+                "%.2f MB (own %d x %.2f, ward 2 x %.2f); %.2f MB of it sent to the buddy (%s)",
                 self.ft.deadpool_snapshot_interval, self.rank, self.buddy,
                 self.manifest.nbytes / MB, self.manifest.dp_replicated_bytes / MB,
                 self.host_bytes / MB, len(self.own.slots), self.manifest.nbytes / MB,
-                ward_bytes / MB)
-            self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
-                             shard_bytes=self.manifest.nbytes, ward_bytes=ward_bytes,
-                             dp_replicated_bytes=self.manifest.dp_replicated_bytes,
-                             host_bytes=self.host_bytes)
+                ward_bytes / MB, self.sent_nbytes / MB,
+                f"replicated bytes on data-parallel peer {self.source}"
+                if self.skips_replicated else "the whole shard")
+        self.events.emit("snapshot_setup", buddy=self.buddy, ward=self.ward,
+                         shard_bytes=self.manifest.nbytes, ward_bytes=ward_bytes,
+                         dp_replicated_bytes=self.manifest.dp_replicated_bytes,
+                         replicated_region_bytes=self.manifest.replicated_nbytes,
+                         sent_bytes=self.sent_nbytes, replica_source=self.source,
+                         skips_replicated=self.skips_replicated, host_bytes=self.host_bytes)
+
+    @property
+    def skips_replicated(self) -> bool:
+        """This rank sends its buddy only its unique region (see manifest.py): a
+        data-parallel peer on another node holds the replicated one, there is one, and
+        --deadpool-send-replicated is off."""
+        return (not self.ft.deadpool_send_replicated and self.source is not None
+                and self.manifest is not None and self.manifest.replicated_nbytes > 0)
+
+    def replica_sources(self) -> list[int | None]:
+        """Per rank of the job, the peer holding its replicated bytes instead of its buddy
+        (None: the buddy holds the whole shard). Equal on every rank: one layout per job."""
+        world = dist.get_world_size()
+        if self.ft.deadpool_send_replicated or self.manifest is None \
+                or self.manifest.replicated_nbytes == 0:
+            return [None] * world
+        sizes = ParallelSizes.from_world(world, self.cfg.tensor_model_parallel_size,
+                                         self.cfg.pipeline_model_parallel_size)
+        return replica_sources(sizes, self.ft.ranks_per_node(world))
+
+    @property
+    def sent_nbytes(self) -> int:
+        """Tensor bytes of one snapshot that go to the buddy (the small objects aside)."""
+        skip = self.manifest.replicated_nbytes if self.skips_replicated else 0
+        return self.manifest.nbytes - skip
 
     @property
     def host_bytes(self) -> int:
@@ -325,6 +361,10 @@ class SnapshotEngine(TrainingHooks):
         ward = self.ward_buffer.available() if self.ward_buffer is not None else []
         return own, ward
 
+    def ward_partial(self) -> list[int]:
+        """Of the ward's snapshots held, those without their replicated region."""
+        return self.ward_buffer.partial() if self.ward_buffer is not None else []
+
     def commit_recovered(self, iteration: int) -> None:
         """A recovery agreed on `iteration`: protect it from the next writes."""
         for buffer in (self.own, self.ward_buffer):
@@ -344,7 +384,22 @@ class SnapshotEngine(TrainingHooks):
         incoming = self.own.loose_slot()
         exchange(self.links, ward_copy, self.ward, incoming, self.buddy,
                  chunk_bytes=self.chunk_bytes)
+        self.complete_locally(incoming)
         return incoming
+
+    def complete_locally(self, incoming: Slot) -> None:
+        """A rehearsal's partial copy from the buddy: its replicated region from this rank's
+        own slot of the same snapshot (the bytes its data-parallel peer holds too), each
+        chunk checked against the table the buddy kept, as a recovery checks the peer's."""
+        if not incoming.partial:
+            return
+        mine = self.own.find(incoming.iteration)
+        if mine is None:
+            raise SnapshotError(f"rank {self.rank}: no own copy of snapshot "
+                                f"{incoming.iteration} to complete the buddy's copy with")
+        take_region(incoming, lambda piece: piece.copy_(
+            mine.flat[piece.data_ptr() - incoming.flat.data_ptr():][:piece.numel()]),
+            f"rank {self.rank}'s own slot", self.chunk_bytes)
 
     # -- worker thread ---------------------------------------------------------------------
     def _work(self, pipe: _Pipeline) -> None:
@@ -370,18 +425,31 @@ class SnapshotEngine(TrainingHooks):
                 return
             pipe.idle.set()
 
-    def _copy(self, job: _Job, slot: Slot) -> int:
-        """Fill `slot` with the shard; returns the checksum of its bytes (computed while
-        copying on the host, in one pass after the side-stream copy on a GPU)."""
+    def _copy(self, job: _Job, slot: Slot, skip: bool) -> None:
+        """Fill `slot` with the shard and seal it. Its checksum is computed while copying on
+        the host (in one pass after the side-stream copy on a GPU): the whole slot's, or,
+        when the replicated region stays home (`skip`), that region's per-chunk table and
+        the checksum of what the buddy gets (table, unique region, objects): one pass
+        either way, the whole checksum then only on demand (Slot.whole_crc)."""
         t0 = time.perf_counter()
+        split, chunk = self.manifest.replicated_nbytes, self.chunk_bytes
+        table: tuple[int, ...] = ()
+        unique, crc = 0, None
         if self._cuda:
             with torch.cuda.stream(self._side_stream):
                 self._side_stream.wait_event(job.ready)
                 copy_into(self.manifest, slot.flat, non_blocking=True)
             self._side_stream.synchronize()
             t1 = time.perf_counter()
-            crc = checksum(slot.flat, job.objects)
+            if skip:
+                table = chunk_table(slot.flat, split, chunk)
+                unique = unique_checksum(slot.flat, split, table, job.objects)
+            else:
+                crc = checksum(slot.flat, job.objects)
             crc_s = time.perf_counter() - t1
+        elif skip:
+            table, unique, crc_s = copy_and_tabulate(self.manifest, slot.flat, chunk,
+                                                     job.objects)
         else:
             crc, crc_s = copy_and_checksum(self.manifest, slot.flat)
             t1 = time.perf_counter()
@@ -390,32 +458,39 @@ class SnapshotEngine(TrainingHooks):
         self.stats.copy_s += time.perf_counter() - t0
         self.stats.checksum_s += crc_s
         self.stats.bytes_copied += self.manifest.nbytes + len(job.objects)
-        return crc
+        slot.seal(job.iteration, job.objects, crc)
+        if skip:
+            slot.seal_regions(split, table, unique, chunk=chunk)
 
     def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
         own = self.own.begin_write()
-        crc = self._copy(job, own)
+        skip = self.skips_replicated
+        self._copy(job, own, skip)
         job.copied.set()
-        own.seal(job.iteration, job.objects, crc)
         self.stats.snapshots += 1
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)
         corrupt = fault is not None and fault.action == "corrupt"
+        # The first byte that goes on the wire (the unique region's when the replicated one
+        # stays home).
+        wire = own.split if skip else 0
         if corrupt:
             self.injector.fire("snapshot", job.iteration)
-            own.flat[0] ^= 0xFF  # on the wire only: undone below, own CRC stays right
+            self._flip(own, wire)  # on the wire only: undone below, own CRC stays right
         t0 = time.perf_counter()
         try:
             self.stats.verify_s += exchange(
                 links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
-                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration))
+                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration),
+                skip_replicated=skip)
         except TornTransfer as err:
             self._report_torn(job.iteration, err)
         finally:
             if corrupt:
-                own.flat[0] ^= 0xFF
+                self._flip(own, wire)
         self.stats.transfer_s += time.perf_counter() - t0
-        self.stats.bytes_sent += own.flat.numel() + len(own.objects)
+        self.stats.bytes_sent += own.flat.numel() - (own.split if skip else 0) \
+            + len(own.objects) + (4 * len(own.table) if skip else 0)
         received = incoming.iteration == job.iteration and incoming.verified
         t0 = time.perf_counter()
         acked = acknowledge(links, job.iteration if received else -1, self.ward,
@@ -440,6 +515,15 @@ class SnapshotEngine(TrainingHooks):
                         "the buddy's copy of it did not verify" if not acked
                         else f"the copy from ward {self.ward} did not verify",
                         self.committed_iteration)
+
+    @staticmethod
+    def _flip(own: Slot, wire: int) -> None:
+        """An injected corruption of what goes to the buddy (applied twice: undone): the
+        first tensor byte sent, or, when no tensor byte is sent, the checksum sent."""
+        if wire < own.flat.numel():
+            own.flat[wire] ^= 0xFF
+        else:
+            own.unique_crc ^= 0xFF
 
     def _report_torn(self, iteration: int, err: Exception) -> None:
         prior = self.ward_buffer.committed_slot()

@@ -62,7 +62,7 @@ def write_shard(save: str, rank: int, slot: Slot) -> str:
     _write_atomic(meta, json.dumps({"rank": rank, "iteration": slot.iteration,
                                     "flat_bytes": slot.flat.numel(),
                                     "objects_bytes": len(slot.objects),
-                                    "crc": slot.crc}).encode())
+                                    "crc": slot.whole_crc()}).encode())
     return data
 
 

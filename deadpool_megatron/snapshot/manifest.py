@@ -7,6 +7,15 @@ into it (fp32 distributed-optimizer shards are views; copying them twice would w
 The small objects (iteration, data position, scheduler, RNG streams) are serialized apart,
 as tensors and plain data only: a copy received from a buddy is never unpickled as
 arbitrary objects.
+
+The buffer has two regions. First the replicated one, [0, replicated_nbytes): the bytes
+every data-parallel replica holds identically, as known from how they are trained, never
+guessed: model parameters always (all-reduced gradients or all-gathered shards make them
+equal), and the whole optimizer state with a plain optimizer (each replica steps it
+alike). Then the unique one: module buffers (not claimed equal), the distributed
+optimizer's shard, and the small objects (RNG, data position). A rank whose replicated
+bytes a data-parallel peer on another node holds sends its buddy only the unique region
+(engine.py); a recovery takes the replicated one back from that peer.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any
 import torch
 
 from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
-from deadpool_megatron.snapshot.buffers import crc_update
+from deadpool_megatron.snapshot.buffers import crc_update, table_bytes
 
 
 ALIGN = 64
@@ -62,6 +71,13 @@ class Manifest:
     def dp_replicated_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e.dp_replicated)
 
+    @property
+    def replicated_nbytes(self) -> int:
+        """End of the replicated region (its entries come first): where the unique one
+        begins. 0 when nothing is replicated."""
+        ends = [e.offset + e.nbytes for e in self.entries if e.dp_replicated]
+        return max(ends) if ends else 0
+
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.untyped_storage().data_ptr()
@@ -74,25 +90,15 @@ def _aliases_model(t: torch.Tensor, model_spans: list[tuple[int, int]]) -> bool:
 
 
 def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool) -> Manifest:
-    """Enumerate the shard; the order is identical on any rank built with the same config."""
-    tensors: list[torch.Tensor] = []
-    entries: list[Entry] = []
-    offset = 0
-
-    def add(name: str, t: torch.Tensor, replicated: bool) -> None:
-        nonlocal offset
-        offset = -(-offset // ALIGN) * ALIGN  # every dtype view of the slice stays aligned
-        nbytes = t.numel() * t.element_size()
-        tensors.append(t)
-        entries.append(Entry(name, offset, nbytes, replicated))
-        offset += nbytes
-
+    """Enumerate the shard; the order is identical on any rank built with the same config.
+    Replicated tensors are laid out first, unique ones after (see the module docstring)."""
+    found: list[tuple[str, torch.Tensor, bool]] = []
     model_params = [(f"model{ci}.{n}", p) for ci, c in enumerate(model)
                     for n, p in c.named_parameters()]
     spans = [_storage_span(p) for _, p in model_params]
     for name, p in model_params:
         # Parameters are the same on every data-parallel replica (all-reduced or all-gathered).
-        add(name, p.detach(), replicated=True)
+        found.append((name, p.detach(), True))
     buffers: list[tuple[str, Any, str, torch.Tensor]] = []
     for ci, chunk in enumerate(model):
         _settle_buffers(chunk)
@@ -101,16 +107,28 @@ def build_manifest(model: list[Any], optimizer: Any, distributed_optimizer: bool
             # bias...): not claimed equal on every replica. A buffer that is a view of a
             # parameter is already copied with it.
             if not _aliases_model(b, spans):
-                add(f"model{ci}.buffer.{name}", b.detach(), replicated=False)
+                found.append((f"model{ci}.buffer.{name}", b.detach(), False))
                 owner, _, attr = name.rpartition(".")
-                buffers.append((entries[-1].name, chunk.get_submodule(owner), attr, b))
+                buffers.append((found[-1][0], chunk.get_submodule(owner), attr, b))
     for name, value in iter_optimizer_tensors(optimizer):
         if not isinstance(value, torch.Tensor):
             continue
         if name.endswith(".param") and _aliases_model(value, spans):
             continue
         # Without the distributed optimizer every replica holds the whole optimizer state.
-        add(name, value.detach(), replicated=not distributed_optimizer)
+        found.append((name, value.detach(), not distributed_optimizer))
+    tensors: list[torch.Tensor] = []
+    entries: list[Entry] = []
+    offset = 0
+    for replicated in (True, False):
+        for name, t, rep in found:
+            if rep != replicated:
+                continue
+            offset = -(-offset // ALIGN) * ALIGN  # every dtype view of the slice stays aligned
+            nbytes = t.numel() * t.element_size()
+            tensors.append(t)
+            entries.append(Entry(name, offset, nbytes, rep))
+            offset += nbytes
     return Manifest(tensors=tensors, entries=entries, buffers=buffers)
 
 
@@ -159,6 +177,50 @@ def copy_and_checksum(manifest: Manifest, flat: torch.Tensor) -> tuple[int, floa
     t0 = time.perf_counter()
     crc = crc_update(crc, flat[done:])
     return crc, crc_s + time.perf_counter() - t0
+
+
+def copy_and_tabulate(manifest: Manifest, flat: torch.Tensor, chunk: int,
+                      objects: bytes) -> tuple[tuple[int, ...], int, float]:
+    """Host tensors only, for a rank whose replicated region stays home: copy every live
+    tensor into `flat`, checksumming each slice right after its copy, as
+    `copy_and_checksum`, but into the replicated region's per-chunk CRC32C table and the
+    `unique_checksum` (table, unique region, objects): one pass, no whole checksum.
+    Returns the table, the unique checksum and the seconds spent on checksums."""
+    split = manifest.replicated_nbytes
+    table: list[int] = []
+    current, chunk_start, done, crc_s = 0, 0, 0, 0.0
+    unique: int | None = None
+
+    def feed(pos: int, end: int) -> None:
+        nonlocal current, chunk_start, unique
+        while pos < end:
+            if pos < split:
+                chunk_end = min(chunk_start + chunk, split)
+                stop = min(end, chunk_end)
+                current = crc_update(current, flat[pos:stop])
+                pos = stop
+                if pos == chunk_end:
+                    table.append(current)
+                    current, chunk_start = 0, pos
+            else:
+                if unique is None:
+                    unique = crc_update(0, table_bytes(tuple(table)))
+                unique = crc_update(unique, flat[pos:end])
+                pos = end
+
+    for t, e in zip(manifest.tensors, manifest.entries):
+        end = e.offset + e.nbytes
+        flat[e.offset:end].view(t.dtype).view(t.shape).copy_(t)
+        t0 = time.perf_counter()
+        feed(done, end)
+        crc_s += time.perf_counter() - t0
+        done = end
+    t0 = time.perf_counter()
+    feed(done, flat.numel())
+    if unique is None:  # no unique tensor bytes
+        unique = crc_update(0, table_bytes(tuple(table)))
+    unique = crc_update(unique, objects)
+    return tuple(table), unique, crc_s + time.perf_counter() - t0
 
 
 def restore_from(manifest: Manifest, flat: torch.Tensor) -> None:

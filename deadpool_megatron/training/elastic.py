@@ -241,6 +241,8 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                 raise GenerationBroken("a new generation was declared before the job started")
             ctl.unwatch()
             build_fresh(member)
+            if rank == 0:
+                ctl.publish_replica_sources(member.engine.replica_sources())
     except JobShutdown as end:
         log.error("rank %d: job ended by the launcher: %s", rank, end)
         return 1
