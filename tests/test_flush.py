@@ -58,6 +58,70 @@ def test_a_damaged_flushed_shard_is_refused(tmp_path: Path) -> None:
         flush.latest(save)
 
 
+def _partial_copy(whole: Slot, split: int, chunk: int) -> Slot:
+    """What a buddy holds of `whole` when its replicated region flat[:split] stays with a
+    data-parallel peer: the unique bytes, the region's chunk table, the unique checksum."""
+    from deadpool_megatron.snapshot.buffers import chunk_table, unique_checksum
+
+    table = chunk_table(whole.flat, split, chunk)
+    flat = whole.flat.clone()
+    flat[:split] = 0  # never received
+    crc = unique_checksum(whole.flat, split, table, whole.objects)
+    slot = Slot(flat=flat, iteration=whole.iteration, objects=whole.objects, crc=crc)
+    slot.seal_regions(split, table, crc, partial=True, chunk=chunk)
+    return slot
+
+
+def test_a_partial_copy_is_flushed_and_read_back_with_its_sources_region(
+        tmp_path: Path) -> None:
+    """A lost rank whose buddy held only its unique bytes: the buddy flushes those, the
+    data-parallel source flushes its own whole shard, and the read joins them, checking
+    every chunk of the region against the table; nothing else is accepted."""
+    save = str(tmp_path)
+    region = torch.arange(600, dtype=torch.int64).to(torch.uint8)  # replicated on 0 and 1
+    shards = []
+    for rank in range(2):
+        flat = torch.cat([region, torch.full((400,), 7 + rank, dtype=torch.uint8)])
+        objects = f"rank {rank}".encode()
+        shards.append(Slot(flat=flat, iteration=4, objects=objects,
+                           crc=checksum(flat, objects)))
+    flush.write_shard(save, 0, shards[0])  # the source, alive, writes its own
+    assert flush.complete_iterations(save, world=2) == []
+    flush.write_shard(save, 1, _partial_copy(shards[1], split=600, chunk=256), source=0)
+    assert flush.complete_iterations(save, world=2) == [4]
+    data = Path(flush.iteration_dir(save, 4)) / "rank_00001.bin"
+    assert data.stat().st_size == 400 + len(b"rank 1")  # the region is not written twice
+    back = flush.read_shard(save, 4, 1)
+    assert not back.partial and back.verify()
+    assert torch.equal(back.flat, shards[1].flat) and back.objects == b"rank 1"
+    # The source's region differs from the table: refused, naming what to do.
+    source = Path(flush.iteration_dir(save, 4)) / "rank_00000.bin"
+    blob = bytearray(source.read_bytes())
+    blob[300] ^= 0xFF
+    source.write_bytes(bytes(blob))
+    with pytest.raises(flush.FlushError, match="could not be taken from rank 0"):
+        flush.read_shard(save, 4, 1)
+    # A damaged unique part is refused too.
+    source.write_bytes(bytes(blob[:300] + bytearray([blob[300] ^ 0xFF]) + blob[301:]))
+    blob = bytearray(data.read_bytes())
+    blob[5] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    with pytest.raises(flush.FlushError, match="does not match its checksum"):
+        flush.read_shard(save, 4, 1)
+
+
+def test_two_partial_copies_that_name_each_other_are_never_complete(tmp_path: Path) -> None:
+    """Both replicas lost with only unique bytes left: no shard holds the region."""
+    save = str(tmp_path)
+    for rank in range(2):
+        flat = torch.full((1000,), rank, dtype=torch.uint8)
+        whole = Slot(flat=flat, iteration=4, objects=b"x", crc=checksum(flat, b"x"))
+        flush.write_shard(save, rank, _partial_copy(whole, 500, 256), source=1 - rank)
+    assert flush.complete_iterations(save, world=2) == []
+    with pytest.raises(flush.FlushError, match="does not hold the region whole"):
+        flush.read_shard(save, 4, 0)
+
+
 def _events(prefix: Path) -> list[dict]:
     out = []
     for path in prefix.parent.glob(prefix.name + ".rank*"):
@@ -92,6 +156,9 @@ def test_spares_exhausted_restart_from_the_flushed_snapshot(
     flushed = [e for e in _events(events) if e["event"] == "flushed"]
     by_buddy = [e for e in flushed if "1" in e["written"] and e["rank"] != 1]
     assert by_buddy, "the lost rank's shard was not written by its buddy"
+    # Its buddy held only its unique bytes: the region came from its DP source's shard.
+    meta = json.loads((Path(flush.iteration_dir(str(save), 5)) / "rank_00001.json").read_text())
+    assert meta["partial"]["source"] == 5, meta
 
 
 @pytest.mark.multiproc

@@ -618,11 +618,9 @@ def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
     for rank, buffer in holdings:
         for iteration in buffer.available() if buffer is not None else []:
             slot = buffer.find(iteration)
-            if slot.partial:  # its replicated region is on a data-parallel peer, not here
-                log.warning("rank %d: not flushing rank %d's snapshot %d: this copy holds "
-                            "only its unique bytes", member.rank, rank, iteration)
-                continue
-            write_shard(save, rank, slot)
+            # A partial copy goes without its replicated region, which its data-parallel
+            # source (alive, or the plan had refused) writes in its own shard.
+            write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None)
             written.setdefault(str(rank), []).append(iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written

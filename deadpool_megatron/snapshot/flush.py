@@ -24,7 +24,7 @@ import shutil
 
 import torch
 
-from deadpool_megatron.snapshot.buffers import Slot
+from deadpool_megatron.snapshot.buffers import Slot, unique_checksum
 
 ROOT = "deadpool_flush"
 LATEST = "latest.txt"
@@ -53,47 +53,111 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(save: str, rank: int, slot: Slot) -> str:
+def write_shard(save: str, rank: int, slot: Slot, source: int | None = None) -> str:
     """Write one rank's shard (a verified snapshot slot); the metadata file, written last,
-    says it is whole."""
+    says it is whole. A buddy's partial copy (its replicated region lives on the
+    data-parallel peer `source`, snapshot/manifest.py) is written without that region, with
+    its chunk table: `read_shard` takes the region from the source's own flushed shard of
+    the same iteration, which the source writes itself."""
     os.makedirs(iteration_dir(save, slot.iteration), exist_ok=True)
     data, meta = _paths(save, slot.iteration, rank)
-    _write_atomic(data, memoryview(slot.flat.numpy()).tobytes() + slot.objects)
-    _write_atomic(meta, json.dumps({"rank": rank, "iteration": slot.iteration,
-                                    "flat_bytes": slot.flat.numel(),
-                                    "objects_bytes": len(slot.objects),
-                                    "crc": slot.whole_crc()}).encode())
+    info = {"rank": rank, "iteration": slot.iteration, "flat_bytes": slot.flat.numel(),
+            "objects_bytes": len(slot.objects)}
+    if slot.partial:
+        if source is None:
+            raise ValueError(f"rank {rank}'s partial copy needs the rank holding its "
+                             f"replicated region")
+        stored = slot.flat[slot.split:]
+        info.update(crc=slot.crc, partial={"source": source, "split": slot.split,
+                                           "table": list(slot.table), "chunk": slot.chunk,
+                                           "unique_crc": slot.unique_crc})
+    else:
+        stored = slot.flat
+        info.update(crc=slot.whole_crc())
+    _write_atomic(data, memoryview(stored.numpy()).tobytes() + slot.objects)
+    _write_atomic(meta, json.dumps(info).encode())
     return data
 
 
-def read_shard(save: str, iteration: int, rank: int) -> Slot:
-    """One rank's flushed shard as a snapshot slot (its checksum is checked by the restore)."""
+def read_shard(save: str, iteration: int, rank: int, resolve: bool = True) -> Slot:
+    """One rank's flushed shard as a snapshot slot (its checksum is checked by the restore;
+    a partial one's replicated region, taken from its source's shard, chunk by chunk
+    here)."""
     data, meta = _paths(save, iteration, rank)
     try:
         info = json.loads(open(meta, "rb").read())
         blob = open(data, "rb").read()
         flat_bytes, objects_bytes = int(info["flat_bytes"]), int(info["objects_bytes"])
+        partial = info.get("partial")
+        split = int(partial["split"]) if partial else 0
         if int(info["rank"]) != rank or int(info["iteration"]) != iteration \
-                or len(blob) != flat_bytes + objects_bytes:
+                or len(blob) != flat_bytes - split + objects_bytes:
             raise ValueError("its metadata does not match its data")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise FlushError(f"flushed shard of rank {rank} at iteration {iteration} under "
                          f"{iteration_dir(save, iteration)} is unreadable ({err}); delete "
                          f"{os.path.join(save, ROOT, LATEST)} to load the newest Megatron "
                          f"checkpoint instead") from None
-    flat = torch.frombuffer(bytearray(blob[:flat_bytes]), dtype=torch.uint8)
-    return Slot(flat=flat, iteration=iteration, objects=blob[flat_bytes:], crc=int(info["crc"]))
+    flat = torch.empty(flat_bytes, dtype=torch.uint8)
+    stored = flat_bytes - split
+    flat[split:] = torch.frombuffer(bytearray(blob[:stored]), dtype=torch.uint8)
+    slot = Slot(flat=flat, iteration=iteration, objects=blob[stored:], crc=int(info["crc"]))
+    if partial and resolve:
+        _take_region_from_source(save, slot, rank, partial)
+    elif partial:
+        slot.partial = True
+    return slot
+
+
+def _take_region_from_source(save: str, slot: Slot, rank: int, partial: dict) -> None:
+    """Fill a partial shard's replicated region from its source's flushed shard, every
+    chunk checked against the table (a mismatch, or no such shard, is refused)."""
+    from deadpool_megatron.snapshot.transport import ReplicaMismatch, take_region
+
+    source, split = int(partial["source"]), int(partial["split"])
+    slot.seal_regions(split, tuple(int(c) for c in partial["table"]),
+                      int(partial["unique_crc"]), partial=True, chunk=int(partial["chunk"]))
+    if unique_checksum(slot.flat, split, slot.table, slot.objects) != slot.crc:
+        raise FlushError(f"flushed shard of rank {rank} at iteration {slot.iteration} does not "
+                         f"match its checksum; delete {os.path.join(save, ROOT, LATEST)} to "
+                         f"load the newest Megatron checkpoint instead")
+    try:
+        origin = read_shard(save, slot.iteration, source, resolve=False)
+        if origin.partial or origin.flat.numel() < split:
+            raise ValueError(f"rank {source}'s shard does not hold the region whole")
+        take_region(slot, lambda piece: piece.copy_(
+            origin.flat[piece.data_ptr() - slot.flat.data_ptr():][:piece.numel()]),
+            f"rank {source}'s flushed shard", int(partial["chunk"]))
+    except (FlushError, ReplicaMismatch, ValueError) as err:
+        raise FlushError(f"flushed shard of rank {rank} at iteration {slot.iteration} holds "
+                         f"only its unique bytes, and its replicated region could not be "
+                         f"taken from rank {source}'s shard ({err}); delete "
+                         f"{os.path.join(save, ROOT, LATEST)} to load the newest Megatron "
+                         f"checkpoint instead") from None
 
 
 def complete_iterations(save: str, world: int) -> list[int]:
-    """Flushed iterations with every rank's shard on disk, newest first."""
+    """Flushed iterations with every rank's shard on disk, newest first (a partial shard
+    counts only with its source's whole one beside it)."""
     root = os.path.join(save, ROOT)
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = _ITER.match(name)
-        if m and all(os.path.exists(_paths(save, int(m.group(1)), r)[1]) for r in range(world)):
+        if m and _complete(save, int(m.group(1)), world):
             found.append(int(m.group(1)))
     return sorted(found, reverse=True)
+
+
+def _complete(save: str, iteration: int, world: int) -> bool:
+    metas = []
+    for rank in range(world):
+        try:
+            metas.append(json.loads(open(_paths(save, iteration, rank)[1], "rb").read()))
+        except (OSError, ValueError):
+            return False
+    whole = {r for r, info in enumerate(metas) if not info.get("partial")}
+    return all(r in whole or int(info["partial"]["source"]) in whole
+               for r, info in enumerate(metas))
 
 
 def commit(save: str, world: int, prune: bool = True) -> int | None:
