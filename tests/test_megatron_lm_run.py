@@ -191,22 +191,29 @@ def _all_events(prefix: Path) -> list[dict]:
 
 
 @pytest.mark.fault_matrix
-@pytest.mark.parametrize("fault, failed", [
-    ("kill rank=5 iter=3 phase=backward", 5),  # killed: its launcher sees the exit
-    ("raise rank=2 iter=3 phase=forward", 2),  # its own error: it leaves the job itself
+@pytest.mark.parametrize("fault, failed, how", [
+    ("kill rank=5 iter=3 phase=backward", 5, "exit"),  # killed: its launcher sees the exit
+    ("raise rank=2 iter=3 phase=forward", 2, "exit"),  # its own error: it leaves the job
+    # Stopped (SIGSTOP): only its stalled progress tells; its launcher kills it.
+    ("hang rank=5 iter=3 phase=backward", 5, "hang"),
 ])
 def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
-        patched_tree: Path, plain, tmp_path: Path, fault: str, failed: int) -> None:
+        patched_tree: Path, plain, tmp_path: Path, fault: str, failed: int, how: str) -> None:
     """--deadpool under deadpool-launch, a warm spare per failure domain: a rank fails in
     iteration 3. A spare takes its rank (no worker is restarted), every member enters
     Megatron's pretrain() again, restores snapshot 2 (the spare from its buddy) and
     Megatron's train() recomputes iterations 3 and 4; the run ends with the fingerprint of
-    the run without failure."""
+    the run without failure. A hung rank is found by the progress Megatron's loop stamps,
+    while the start-up of the new generation's pretrain() (seconds, longer than the
+    progress timeout) is not taken for a hang."""
     run, _ = plain
     events = tmp_path / "events"
+    # Only the hang needs a short progress timeout (the default: 300 s before a first
+    # iteration, then ten of the longest iteration, at least 20 s).
+    timeout = ["--deadpool-progress-timeout", "5"] if how == "hang" else []
     job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
                        [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
-                        "--deadpool-inject", fault],
+                        "--deadpool-inject", fault, *timeout],
                        tmp_path / "launch", timeout_s=700,
                        env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90"},
                        script=patched_tree / "pretrain_gpt.py")
@@ -220,6 +227,10 @@ def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
         declared
     assert list(declared[0]["replaced"]) == [str(failed)], declared
     assert declared[0]["replaced"][str(failed)].startswith("s"), declared  # a spare's id
+    detected = [e for e in ev if e["event"] == "failure_detected"]
+    assert [(e["rank"], e["how"]) for e in detected] == [(failed, how)], detected
+    verdicts = [(e["culprits"], e["certain"]) for e in ev if e["event"] == "hang_localized"]
+    assert verdicts == ([([f"w{failed}"], True)] if how == "hang" else []), verdicts
     recovered = {e["rank"]: e for e in ev if e["event"] == "recovered"}
     assert sorted(recovered) == list(range(8)), recovered
     assert {r: (e["generation"], e["restored"], e["how"]) for r, e in recovered.items()} == \

@@ -9,6 +9,9 @@ OS, unable to run Python for a while (a C call holding the GIL), or seen by thei
 running elsewhere than a collective. Only those are replaced. When every stalled rank waits
 in a collective the culprit cannot be told; the ranks furthest behind (fewest progress
 stamps in the newest generation) surely include it, and the verdict says it is a guess.
+No guess while a rank not yet stalled is stopped by the OS or runs no Python: its victims
+stamped last before it (a first pipeline stage waits for the backward of the last), so
+they cross the timeout first, and it crosses its own moments later, a certain culprit.
 """
 
 from __future__ import annotations
@@ -56,12 +59,16 @@ class WorkerView:
     @property
     def why(self) -> str:
         """Why this stalled rank looks like the culprit ('' if it looks like a victim)."""
+        return self.frozen or ("blocked outside any collective" if self.where == RUNNING
+                               else "")
+
+    @property
+    def frozen(self) -> str:
+        """Why this rank cannot run at all, stalled or not yet ('' if it can)."""
         if self.os_state == STOPPED:
             return "stopped by a signal"
         if self.monitor_age_s > MONITOR_STALE_S:
             return f"runs no Python for {self.monitor_age_s:.0f} s (a call holding the GIL)"
-        if self.where == RUNNING:
-            return "blocked outside any collective"
         return ""
 
 
@@ -80,6 +87,9 @@ def find_hung(views: list[WorkerView]) -> Verdict | None:
         return None
     culprits = [v for v in stalled if v.why]
     certain = bool(culprits)
+    if not culprits and any(v.frozen and not v.long_operation and v.phase != "done"
+                            for v in views):
+        return None  # the culprit is about to stall too (see the module docstring)
     if not culprits:
         waiting = [v for v in stalled if v.where in (IN_COLLECTIVE, NOWHERE)]
         newest = max(v.generation for v in waiting)

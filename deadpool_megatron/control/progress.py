@@ -152,6 +152,24 @@ def where(thread_id: int | None) -> int:
     return RUNNING
 
 
+class StartUp(TrainingHooks):
+    """A start-up (the process groups, the model, the optimizer, the data iterators, and
+    after a failure the restore) as one long operation of the board, ended by the first
+    iteration or by `close`: a loop built again in each generation stamps no progress
+    while it builds, for seconds."""
+
+    def __init__(self, board: ProgressBoard | None, budget_s: float) -> None:
+        self._operation = contextlib.ExitStack()
+        if board is not None:
+            self._operation.enter_context(board.long_operation(budget_s))
+
+    def on_iteration_start(self, state: LoopState) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._operation.close()
+
+
 class _Stamps(TrainingHooks):
     def __init__(self, board: ProgressBoard) -> None:
         self.board = board

@@ -41,6 +41,8 @@ import time
 import traceback
 from typing import Any, Callable, ContextManager
 
+from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
+from deadpool_megatron.control.progress import StartUp
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 log = logging.getLogger("deadpool_megatron.megatron_lm")
@@ -110,6 +112,7 @@ class HotSwapPretrain:
         self._pristine: argparse.Namespace | None = None
         self._fresh_globals = True  # Megatron's globals as the script set them, unused
         self._startup: dict[str, Any] = {}
+        self.progress: Any = None  # control/progress.ProgressBoard, which the launcher reads
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import megatron.training.training as training
@@ -124,6 +127,7 @@ class HotSwapPretrain:
         # script's values (a survivor's would otherwise run one all-reduce more than the
         # spare's, and both wait for ever).
         self._startup = dict(training._STARTUP_TIMESTAMPS)
+        self.progress = _progress_board(margs)
         try:
             if self.ctl.is_spare:
                 log.info("spare %s ready (imports done); waiting for an assignment",
@@ -160,7 +164,7 @@ class HotSwapPretrain:
                       cpu_rehearsal=cfg.distributed_backend == "gloo", events=events,
                       engine=SnapshotEngine(cfg, ft, injector, events, device),
                       ledger=MicrobatchLedger(), injector=injector, dataset=None,
-                      generation=generation, device=device)
+                      generation=generation, progress=self.progress, device=device)
 
     # -- the generations ----------------------------------------------------------------------
     def _generations(self, args: tuple, kwargs: dict) -> Any:
@@ -220,6 +224,7 @@ class HotSwapPretrain:
         ctl.watch(generation, lambda newer: declared.set())
         if not ctl.rendezvous(generation, member.world, member.rank, waiter=store.control):
             return None
+        member.stamp("recovery")  # in `generation` now (the hang analysis compares them)
         ctl.prepare_connection()  # the next generation's, in the background
         return generation
 
@@ -241,18 +246,28 @@ class HotSwapPretrain:
         training._STARTUP_TIMESTAMPS.update(self._startup)
         os.environ["RANK"] = str(member.rank)
         margs.rank = member.rank
-        margs.deadpool_hooks = self._hooks(stops, margs)
-        return self.pretrain(*args, **{**kwargs, "store": member.gen_store.store})
+        startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
+        margs.deadpool_hooks = self._hooks(stops, margs, startup)
+        try:
+            return self.pretrain(*args, **{**kwargs, "store": member.gen_store.store})
+        finally:
+            startup.close()
+            if member.progress is not None:  # a later thread may reuse this one's id
+                member.progress.training_thread = None
 
-    def _hooks(self, stops: TrainingHooks, margs: argparse.Namespace) -> list[TrainingHooks]:
+    def _hooks(self, stops: TrainingHooks, margs: argparse.Namespace,
+               startup: TrainingHooks) -> list[TrainingHooks]:
         """The order matters at on_train_start: the recovery restores before the snapshot
-        engine takes its first snapshot of the generation."""
+        engine takes its first snapshot of the generation. The progress stamps come first,
+        as in our own loop (training/elastic._train)."""
         from deadpool_megatron.training.elastic import IterationEvents
 
         member = self.member
         hooks: list[TrainingHooks] = [member.ledger, self.recovery, stops,
                                       member.injector.hooks(), member.engine,
                                       IterationEvents(member, None)]
+        if member.progress is not None:
+            hooks[:0] = [member.progress.hooks(), startup]
         ft = member.ft
         if ft.deadpool_verify_restore_at is not None and member.generation == 0:
             from deadpool_megatron.integration.megatron_lm import RewindRehearsal
@@ -336,6 +351,7 @@ class _Recovery(TrainingHooks):
         member = self.member
         t_groups = time.perf_counter()
         member.injector.fire("recovery", member.generation)
+        member.stamp("recovery")
         member.engine.attach(state.objects)
         member.engine.connect()
         if member.ctl.is_spare and self.reached < 0:
@@ -345,8 +361,10 @@ class _Recovery(TrainingHooks):
             report = RankReport(tuple(own), tuple(ward), None, False, self.reached,
                                 at_start=not own and self.reached <= (member.start_iteration or 0))
         plan, sizes = agree(member, report)
+        member.stamp("recovery")
         if plan.target != FRESH_START:
             restore_to(member, plan, sizes)
+            member.stamp("recovery")
         self._emit(plan, t_groups)
         if plan.target == FRESH_START:
             return  # Megatron's fresh build is the job's start: train() goes on from it
@@ -374,6 +392,19 @@ class _Recovery(TrainingHooks):
             log.info("recovery: generation %d formed in Megatron's pretrain() (%.0f ms); "
                      "%s; iterations %d..%d recomputed whole", member.generation,
                      1e3 * (t_groups - self.t0), what, plan.target + 1, plan.last_iteration)
+
+
+def _progress_board(margs: argparse.Namespace) -> Any:
+    """What this worker's launcher reads of its progress (control/progress.py), with its
+    monitor running, as in our own pretrain_gpt.py (training/main._run_elastic); None
+    outside deadpool-launch."""
+    from deadpool_megatron.control.progress import ProgressBoard
+    from deadpool_megatron.integration.megatron_lm import deadpool_config
+
+    board = ProgressBoard.from_env(deadpool_config(margs).deadpool_progress_timeout)
+    if board is not None:
+        board.start_monitor()
+    return board
 
 
 def _flush_refused(member: Any, generation: int) -> None:
