@@ -24,6 +24,7 @@ import torch
 import megatron
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
+from deadpool_megatron.metrics.timeline import load_events
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
 DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
@@ -183,13 +184,6 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     assert job.fingerprint == run.fingerprint, job.describe()
 
 
-def _all_events(prefix: Path) -> list[dict]:
-    out = []
-    for path in prefix.parent.glob(prefix.name + ".rank*"):
-        out += [json.loads(line) for line in path.read_text().splitlines()]
-    return sorted(out, key=lambda e: e["t"])
-
-
 @pytest.mark.fault_matrix
 @pytest.mark.parametrize("fault, failed, how", [
     ("kill rank=5 iter=3 phase=backward", 5, "exit"),  # killed: its launcher sees the exit
@@ -221,7 +215,7 @@ def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
     # Hot-swapped: one declaration, a spare took rank 5, nobody restarted the job.
     assert "restarting all" not in job.output, job.describe()
     assert not (tmp_path / "launch" / "workers" / "epoch1").exists()
-    ev = _all_events(events)
+    ev = load_events(events)
     declared = [e for e in ev if e["event"] == "generation_declared"]
     assert [(d["generation"], d["failed_ranks"]) for d in declared] == [(1, [failed])], \
         declared

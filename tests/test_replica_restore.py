@@ -5,24 +5,17 @@ replicated one from that peer, checked against the buddy's CRC table, bit-exact.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from conftest import GPT_3D_ARGS
 from deadpool_megatron.testing.jobs import JobResult, run_launched
+from deadpool_megatron.metrics.timeline import load_events
 
 pytestmark = pytest.mark.multiproc
 ITERS = 8
 ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
-
-
-def _events(prefix: Path) -> list[dict]:
-    out = []
-    for path in prefix.parent.glob(prefix.name + ".rank*"):
-        out += [json.loads(line) for line in path.read_text().splitlines()]
-    return sorted(out, key=lambda e: e["t"])
 
 
 @pytest.mark.fault_matrix
@@ -39,7 +32,7 @@ def test_spare_takes_replicated_region_from_dp_peer(tmp_path: Path,
     run = run_launched(launch, args, tmp_path / "job", timeout_s=400, env=ENV)
     assert run.ok, run.describe()
     assert run.fingerprint == failure_free_8.fingerprint, run.describe()
-    ev = _events(events)
+    ev = load_events(events)
     setup = {e["rank"]: e for e in ev if e["event"] == "snapshot_setup"}
     assert setup[5]["replica_source"] == 7 and setup[5]["buddy"] == 6
     assert setup[5]["skips_replicated"] and 0 < setup[5]["sent_bytes"] < setup[5]["shard_bytes"]
@@ -98,7 +91,7 @@ def test_restore_rehearsal_with_plain_optimizer_and_replicated_bytes_at_home(
     assert run.ok, run.describe()
     assert "restore rehearsal: every rank now runs on a fresh model" in run.output
     assert run.fingerprint == base.fingerprint
-    ev = _events(events)
+    ev = load_events(events)
     setup = [e for e in ev if e["event"] == "snapshot_setup"]
     assert len(setup) >= 8 and all(e["skips_replicated"] for e in setup)
     assert all(e["sent_bytes"] < e["shard_bytes"] // 10 for e in setup), setup
