@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import GPT_3D_ARGS
+from deadpool_megatron.metrics.timeline import load_events
 from deadpool_megatron.snapshot import flush
 from deadpool_megatron.snapshot.buffers import Slot, checksum
 from deadpool_megatron.testing.jobs import JobResult, run_launched
@@ -122,26 +123,22 @@ def test_two_partial_copies_that_name_each_other_are_never_complete(tmp_path: Pa
         flush.read_shard(save, 4, 0)
 
 
-def _events(prefix: Path) -> list[dict]:
-    out = []
-    for path in prefix.parent.glob(prefix.name + ".rank*"):
-        out += [json.loads(line) for line in path.read_text().splitlines()]
-    return sorted(out, key=lambda e: e["t"])
-
-
 @pytest.mark.multiproc
 def test_spares_exhausted_restart_from_the_flushed_snapshot(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """One spare, two failures, a --save-interval longer than the run (so no checkpoint):
     the second failure (iteration 6) flushes snapshot 5, held by survivors and, for the
-    lost rank, by its buddy (the spare that took rank 5, refilled at its recovery); the job
-    restarts from it, redoes iteration 6 only, and ends bit-exact."""
+    lost rank 1, by its buddy (the spare that took rank 3, refilled at its recovery); the job
+    restarts from it, redoes iteration 6 only, and ends bit-exact. Four logical nodes of two
+    ranks put rank 1's data-parallel peer 3 on another node: rank 3 is both its buddy and
+    its replica source, so the buddy holds (and flushes) only rank 1's unique bytes and the
+    load takes the replicated region from rank 3's own flushed shard."""
     save, events = tmp_path / "ckpt", tmp_path / "events"
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
             str(events), "--save", str(save), "--save-interval", "100",
-            "--deadpool-inject", "kill rank=5 iter=3 phase=backward",
+            "--deadpool-inject", "kill rank=3 iter=3 phase=backward",
             "--deadpool-inject", "kill rank=1 iter=6 phase=backward wait=commit"]
-    run = run_launched(["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
+    run = run_launched(["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "4"],
                        args, tmp_path, timeout_s=500, env=ENV)
     out = run.logs[0]
     assert run.returncodes == [0] and not run.timed_out, run.describe()
@@ -153,12 +150,12 @@ def test_spares_exhausted_restart_from_the_flushed_snapshot(
     restart = "".join(p.read_text() for p in (tmp_path / "workers" / "epoch1").glob("*.log"))
     assert min(int(i) for i in ITERATION.findall(restart)) == 6, "redid an iteration before 6"
     assert not os.path.exists(save / "latest_checkpointed_iteration.txt")
-    flushed = [e for e in _events(events) if e["event"] == "flushed"]
-    by_buddy = [e for e in flushed if "1" in e["written"] and e["rank"] != 1]
-    assert by_buddy, "the lost rank's shard was not written by its buddy"
+    flushed = [e for e in load_events(events) if e["event"] == "flushed"]
+    assert [e["rank"] for e in flushed if "1" in e["written"]] == [3], \
+        "the lost rank's shard was not written by its buddy (rank 3) alone"
     # Its buddy held only its unique bytes: the region came from its DP source's shard.
     meta = json.loads((Path(flush.iteration_dir(str(save), 5)) / "rank_00001.json").read_text())
-    assert meta["partial"]["source"] == 5, meta
+    assert meta["partial"]["source"] == 3, meta
 
 
 @pytest.mark.multiproc
