@@ -131,3 +131,26 @@ def test_a_group_without_successor_is_an_error(two_generations) -> None:
     del new[("DATA_PARALLEL_GROUP", (0,), 0)]
     with pytest.raises(RuntimeError, match="DATA_PARALLEL_GROUP"):
         group_mapping(old, new)
+
+
+def test_a_group_made_for_one_restore_needs_no_successor() -> None:
+    """A replica-fetch group of one recovery is in no later generation; a survivor that
+    took part in one must still rebind at the next failure (it did not: CI, plain
+    optimizer, two failures in a row)."""
+    from deadpool_megatron.reconstruct.recovery import REPLICA_FETCH_GROUP, _kept_groups
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g0/", store), rank=0, world_size=1)
+    try:
+        dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+        dist.new_group([0], group_desc=REPLICA_FETCH_GROUP)
+        assert any(key[0] == REPLICA_FETCH_GROUP for key in group_registry())
+        old = _kept_groups()
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1/", store), rank=0, world_size=1)
+    try:
+        dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+        assert set(group_mapping(old, _kept_groups())) == {id(g) for g in old.values()}
+    finally:
+        dist.destroy_process_group()

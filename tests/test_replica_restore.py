@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPT_3D_ARGS
+from deadpool_megatron.snapshot import flush
 from deadpool_megatron.testing.jobs import JobResult, run_launched
 from deadpool_megatron.metrics.timeline import load_events
 
@@ -51,19 +52,26 @@ def test_rank_and_its_source_lost_together_fall_back_cleanly(tmp_path: Path,
                                                              failure_free_8: JobResult) -> None:
     """Rank 5 and rank 7, its data-parallel source, die together: rank 5's parameters are
     on no live rank (its buddy, rank 6, holds only its unique bytes). Host 0 refuses the
-    hot swap, the flush cannot write a whole shard of ranks 5 and 7, and the restart takes
-    the newest checkpoint (iteration 2): bit-exact, never a silently wrong state."""
-    ckpt = tmp_path / "ckpt"
+    hot swap; the buddies flush only the unique bytes of ranks 5 and 7, each one's
+    replicated region to be taken from the other's shard, so no flushed snapshot is
+    complete, and the restart takes the newest checkpoint (iteration 2): bit-exact, never
+    a silently wrong state."""
+    ckpt, events = tmp_path / "ckpt", tmp_path / "events"
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool",
-            "--save", str(ckpt), "--save-interval", "2",
+            "--deadpool-events", str(events), "--save", str(ckpt), "--save-interval", "2",
             "--deadpool-inject", "kill rank=5 iter=4 phase=optimizer",
             "--deadpool-inject", "kill rank=7 iter=4 phase=optimizer"]
     launch = ["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "8",
               "--heartbeat-timeout", "10", "--failure-window", "2.0"]
     run = run_launched(launch, args, tmp_path / "job", timeout_s=400, env=ENV)
     assert "the replicated bytes of ranks [5, 7] are lost" in run.output, run.describe()
-    assert "holds only its unique bytes" in run.output, run.describe()
     assert "the flush wrote no complete snapshot" in run.output, run.describe()
+    assert "(shards missing)" in run.output, run.describe()
+    # Their buddies (6 and 0) wrote what they held; the commit then pruned it, incomplete.
+    flushed = [e for e in load_events(events) if e["event"] == "flushed"]
+    for rank, buddy in ((5, 6), (7, 0)):
+        assert [e["rank"] for e in flushed if str(rank) in e["written"]] == [buddy], flushed
+    assert not list((ckpt / flush.ROOT).glob("iter_*")), "an incomplete flush was kept"
     assert "loaded checkpoint of iteration 2" in run.output, run.describe()
     assert run.ok, run.describe()
     assert run.fingerprint == failure_free_8.fingerprint

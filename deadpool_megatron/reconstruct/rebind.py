@@ -30,11 +30,16 @@ _OPAQUE = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType, ty
            logging.Manager, logging.PlaceHolder)
 
 
-def group_registry() -> dict[GroupKey, dist.ProcessGroup]:
-    """Every group this process is a member of, by name (creation order breaks ties)."""
+def group_registry(skip: Iterable[str] = ()) -> dict[GroupKey, dist.ProcessGroup]:
+    """Every group this process is a member of, by name (creation order breaks ties),
+    except those described by `skip`: groups made for one recovery step, which no kept
+    object holds and no later generation recreates."""
     seen: Counter = Counter()
     registry: dict[GroupKey, dist.ProcessGroup] = {}
+    skipped = frozenset(skip)
     for pg in list(c10d._world.pg_map):
+        if pg.group_desc in skipped:
+            continue
         name = (pg.group_desc, tuple(sorted(dist.get_process_group_ranks(pg))))
         registry[(*name, seen[name])] = pg
         seen[name] += 1

@@ -58,6 +58,9 @@ log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
 RECUT_S = 0.05  # while a thread stops, connections are cut again this often
 RELEASE_WAIT_S = 5.0  # an old generation's group still held after this is reported
+# Made during one restore and used only there: no kept object holds one, so a later
+# rebind has nothing to map it to and skips it.
+REPLICA_FETCH_GROUP = "DEADPOOL_REPLICA_FETCH"
 
 
 class StoppableThread(Protocol):
@@ -170,6 +173,11 @@ class Member:
         return replica_sources(self.sizes, self.ft.ranks_per_node(self.world))
 
 
+def _kept_groups() -> dict[GroupKey, Any]:
+    """The groups a rebind maps into the next generation."""
+    return group_registry(skip={REPLICA_FETCH_GROUP})
+
+
 def _param_identity(objs: Any) -> list[tuple[int, int]]:
     return [(id(p), p.data_ptr()) for chunk in objs.model for p in chunk.parameters()]
 
@@ -192,7 +200,7 @@ def build_fresh(member: Member) -> None:
     member.engine.attach(member.state.objects)
     member.state_valid = True
     member.bound = member.generation
-    member.registry = group_registry()
+    member.registry = _kept_groups()
     member.remember_identity()
     member.megatron_globals.prepare()
 
@@ -213,7 +221,7 @@ def leave(member: Member, training: StoppableThread | None,
     lost_replica = flushing or not keep_intact_replicas or \
         member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
     if member.bound == member.generation:  # groups created since the rebind are named too
-        member.registry = group_registry()
+        member.registry = _kept_groups()
     member.retired_groups += list(member.registry.values())
     laps("declared")
     member.stamp("recovery")
@@ -332,7 +340,7 @@ def interrupt(member: Member) -> None:
 def rebind(member: Member) -> int:
     """Swap the new generation's groups into every kept object; returns the references
     replaced."""
-    new = group_registry()
+    new = _kept_groups()
     mapping = group_mapping(member.registry, new)
     replaced = rebind_groups([member.state.objects, member.megatron_globals], mapping)
     member.registry, member.bound = new, member.generation
@@ -435,7 +443,7 @@ def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
     pairs = sorted((src, r) for r, src in enumerate(plan.replica_from) if src is not None)
     for src, dst in pairs:
         group = dist.new_group(ranks=sorted((src, dst)), backend="gloo",
-                               timeout=engine.timeout, group_desc="DEADPOOL_REPLICA_FETCH")
+                               timeout=engine.timeout, group_desc=REPLICA_FETCH_GROUP)
         if rank not in (src, dst):
             continue
         outgoing = engine.own.find(t) if rank == src else None
