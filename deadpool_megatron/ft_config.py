@@ -36,6 +36,14 @@ class DeadPoolConfig:
                       "rank whose data-parallel peer on another node holds them sends only "
                       "its unique bytes, and a recovery takes the rest from that peer."),
     )
+    deadpool_snapshot_nice: int = field(
+        default=0,
+        metadata=flag("Niceness added to the snapshot worker thread (Linux; 0, the default, "
+                      "leaves it at the training thread's): its copy and checksums then use "
+                      "the CPU time the training threads leave idle, before taking theirs. "
+                      "Not yet measured to help; compare with tools/bench_snapshot.py "
+                      "--variant."),
+    )
     deadpool_snapshot_timeout: float = field(
         default=120.0, metadata=flag("Seconds any snapshot transfer or commit may block.")
     )
@@ -90,6 +98,10 @@ class DeadPoolConfig:
                               f"{self.deadpool_snapshot_interval}")
         if self.deadpool_snapshot_chunk_mb <= 0:
             raise ConfigError("--deadpool-snapshot-chunk-mb must be positive")
+        if not 0 <= self.deadpool_snapshot_nice <= 19:
+            raise ConfigError(f"--deadpool-snapshot-nice must be between 0 and 19 (a thread "
+                              f"may lower its own priority only), got "
+                              f"{self.deadpool_snapshot_nice}")
         if self.deadpool_snapshot_timeout <= 0:
             raise ConfigError("--deadpool-snapshot-timeout must be positive")
         if self.deadpool_progress_timeout is not None and self.deadpool_progress_timeout <= 0:

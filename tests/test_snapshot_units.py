@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import pytest
@@ -12,6 +14,7 @@ from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault, target_ranks
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, checksum
+from deadpool_megatron.snapshot.engine import lower_thread_priority
 from deadpool_megatron.snapshot.manifest import build_manifest, copy_into, restore_from
 from deadpool_megatron.topology import ParallelSizes
 
@@ -122,3 +125,28 @@ def test_single_node_buddies_refused_unless_opted_in(monkeypatch: pytest.MonkeyP
     DeadPoolConfig(deadpool=True, deadpool_ranks_per_node=4).validate(8)
     with pytest.raises(ConfigError, match="needs --deadpool"):
         DeadPoolConfig(deadpool_inject=["kill rank=1 iter=1 phase=forward"]).validate(8)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_snapshot_worker_lowers_its_own_thread_priority_only() -> None:
+    """The worker's niceness goes up by the flag's value; the training thread's stays."""
+    main_tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, main_tid)
+    seen: list[int] = []
+
+    def worker() -> None:
+        lower_thread_priority(5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(10)
+    assert seen == [min(19, before + 5)]
+    assert os.getpriority(os.PRIO_PROCESS, main_tid) == before
+
+
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_snapshot_niceness_out_of_range_is_refused(nice: int) -> None:
+    ft = DeadPoolConfig(deadpool=True, deadpool_ranks_per_node=1, deadpool_snapshot_nice=nice)
+    with pytest.raises(ConfigError, match="--deadpool-snapshot-nice must be between 0 and 19"):
+        ft.validate(2)

@@ -25,7 +25,9 @@ membership generation has its own pair groups and worker (`connect`, `leave`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +59,20 @@ log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
 SNAPSHOT_GROUP = "DEADPOOL_SNAPSHOT_GROUP"
 OWN_SLOTS = 3  # pairwise commits: see the module docstring
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Add `nice` to the calling thread's niceness (Linux sets it per thread). The snapshot
+    worker's CPU time is taken from the training threads' cores: niced, it runs first in
+    their idle moments (waits on communication, on the data), and only where there are
+    too few does the training thread wait for the copy (before the optimizer step)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return  # elsewhere a thread id is no process id: the call could nice another one
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as err:
+        log.debug("snapshot worker priority left unchanged: %s", err)
 
 
 class SnapshotError(RuntimeError):
@@ -104,6 +120,7 @@ class SnapshotStats:
     verify_s: float = 0.0  # of which checksumming the ward's copy as it arrived
     commit_s: float = 0.0  # agreeing on the commit
     main_wait_s: float = 0.0  # time the training thread spent waiting on the engine
+    cpu_s: float = 0.0  # CPU time of the worker thread (wall times above include waiting)
 
 
 class SnapshotEngine(TrainingHooks):
@@ -334,12 +351,13 @@ class SnapshotEngine(TrainingHooks):
             log.info("deadpool snapshots: %d taken, %d committed (latest: %s); per snapshot "
                      "%.2f MB copied in %.1f ms, %.2f MB sent in %.1f ms (background); "
                      "stages per snapshot: checksum of the copy %.1f ms, of the received "
-                     "copy %.1f ms, commit %.1f ms; training thread waited %.1f ms in all",
+                     "copy %.1f ms, commit %.1f ms; training thread waited %.1f ms in all; "
+                     "worker thread CPU %.1f ms per snapshot",
                      s.snapshots, s.committed, self.committed_iteration,
                      s.bytes_copied / n / MB, 1e3 * s.copy_s / n,
                      s.bytes_sent / n / MB, 1e3 * s.transfer_s / n,
                      1e3 * s.checksum_s / n, 1e3 * s.verify_s / n, 1e3 * s.commit_s / n,
-                     1e3 * s.main_wait_s)
+                     1e3 * s.main_wait_s, 1e3 * s.cpu_s / n)
 
     def drain(self) -> None:
         """Wait until the snapshot in flight is committed or abandoned."""
@@ -404,6 +422,7 @@ class SnapshotEngine(TrainingHooks):
     # -- worker thread ---------------------------------------------------------------------
     def _work(self, pipe: _Pipeline) -> None:
         with self.device.thread():
+            lower_thread_priority(self.ft.deadpool_snapshot_nice)
             self._serve(pipe)
 
     def _serve(self, pipe: _Pipeline) -> None:
@@ -463,6 +482,13 @@ class SnapshotEngine(TrainingHooks):
             slot.seal_regions(split, table, unique, chunk=chunk)
 
     def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
+        cpu0 = time.thread_time()
+        try:
+            self._take(job, links)
+        finally:
+            self.stats.cpu_s += time.thread_time() - cpu0
+
+    def _take(self, job: _Job, links: dict[int, Any]) -> None:
         own = self.own.begin_write()
         skip = self.skips_replicated
         self._copy(job, own, skip)
