@@ -45,3 +45,27 @@ def test_compare_send_replicated_adds_a_third_job() -> None:
     jobs = [line for line in out.stdout.splitlines() if line.startswith("would run")]
     assert len(jobs) == 3
     assert ["--deadpool-send-replicated" in j for j in jobs] == [False, False, True]
+
+
+def test_variants_add_jobs_with_their_flags_and_bad_ones_are_refused() -> None:
+    run = [sys.executable, str(ROOT / "tools/bench_snapshot.py"), "--dry-run",
+           "--variant", "nice0=--deadpool-snapshot-nice 0"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    jobs = [line for line in out.stdout.splitlines() if line.startswith("would run")]
+    assert [j.split(":")[0] for j in jobs] == [
+        "would run 3 x snapshots off", "would run 3 x snapshots on",
+        "would run 3 x snapshots nice0"]
+    assert jobs[2].endswith("--deadpool-snapshot-nice 0")
+    bad = subprocess.run(run[:-1] + ["on=--deadpool-snapshot-nice 0"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "with a new label" in bad.stderr
+
+
+def test_the_worker_cpu_figure_is_read_from_the_summary_line() -> None:
+    line = ("deadpool snapshots: 20 taken, 20 committed (latest: 20); per snapshot 78.47 MB "
+            "copied in 73.3 ms, 0.05 MB sent in 29.5 ms (background); stages per snapshot: "
+            "checksum of the copy 21.2 ms, of the received copy 0.0 ms, commit 2.6 ms; "
+            "training thread waited 131.9 ms in all; worker thread CPU 41.5 ms per snapshot")
+    details = _tool().parse_details(line)
+    assert details["worker_cpu_ms"] == 41.5 and details["copy_ms"] == 73.3

@@ -13,7 +13,12 @@ all of it must go to a buddy. By default a rank sends its buddy only the bytes n
 data-parallel peer on another node holds (parameters, and a plain optimizer's state, stay
 home); `--compare-send-replicated` adds a third job per round with
 `--deadpool-send-replicated` (everything sent, as before), so both are measured side by
-side against the same runs without snapshots.
+side against the same runs without snapshots; `--variant LABEL="FLAGS"` (repeatable) adds
+any other job with snapshots on and FLAGS, e.g. `--variant nice19="--deadpool-snapshot-nice
+19"` (the worker thread below the training thread's priority) or `--variant hooks="--deadpool-
+snapshot-interval 100000"` (the hooks alone: one snapshot at the start).
+Each job's worker-thread CPU time per snapshot is printed next to the iteration time it
+added: on a machine whose cores the training processes fill, the two are close.
 On a GPU machine the snapshot is a side-stream copy into pinned host memory
 (tools/gpu_check.sh runs it on a 1B-parameter model); `--dry-run` prints the jobs and the
 model's size, after checking their flags, and runs nothing.
@@ -39,10 +44,11 @@ SETUP = re.compile(r"deadpool snapshots: every .*?; ([0-9.]+) MB per snapshot \(
                    r"it replicated.*host memory held ([0-9.]+) MB")
 SUMMARY = re.compile(r"per snapshot ([0-9.]+) MB copied in ([0-9.]+) ms, ([0-9.]+) MB sent in "
                      r"([0-9.]+) ms .*training thread waited ([0-9.]+) ms")
+WORKER_CPU = re.compile(r"worker thread CPU ([0-9.]+) ms per snapshot")
 STAGES = re.compile(r"checksum of the copy ([0-9.]+) ms, of the received copy ([0-9.]+) ms, "
                     r"commit ([0-9.]+) ms")
 MB = 1 << 20
-MODES = {"off": [], "on": [], "on_send_all": ["--deadpool-send-replicated"]}
+SEND_ALL = ["--deadpool-send-replicated"]
 
 
 def model_args(ns: argparse.Namespace) -> list[str]:
@@ -107,8 +113,7 @@ def dry_run(ns: argparse.Namespace) -> int:
     from deadpool_megatron.ft_config import DeadPoolConfig
 
     for mode in modes(ns):
-        extra = [] if mode == "off" else deadpool_args(ns) + MODES[mode]
-        args = model_args(ns) + extra
+        args = model_args(ns) + mode_args(ns, mode)
         cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], args, prog="pretrain_gpt.py")
         cfg.validate(ns.nproc)
         ft.validate(ns.nproc)
@@ -118,8 +123,25 @@ def dry_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def variants(ns: argparse.Namespace) -> dict[str, list[str]]:
+    """Label -> extra flags of every job with snapshots on."""
+    out = {"on": []}
+    if ns.compare_send_replicated:
+        out["on_send_all"] = SEND_ALL
+    for spec in ns.variant:
+        label, sep, flags = spec.partition("=")
+        if not sep or not label or label in ("off", *out):
+            raise SystemExit(f"--variant wants LABEL=\"FLAGS\" with a new label, got {spec!r}")
+        out[label] = flags.split()
+    return out
+
+
 def modes(ns: argparse.Namespace) -> list[str]:
-    return ["off", "on"] + (["on_send_all"] if ns.compare_send_replicated else [])
+    return ["off", *variants(ns)]
+
+
+def mode_args(ns: argparse.Namespace, mode: str) -> list[str]:
+    return [] if mode == "off" else deadpool_args(ns) + variants(ns)[mode]
 
 
 def parse_details(output: str) -> dict[str, float]:
@@ -133,6 +155,8 @@ def parse_details(output: str) -> dict[str, float]:
                        transfer_ms=float(m[4]), main_wait_ms_total=float(m[5]))
     if m := STAGES.search(output):
         details.update(checksum_ms=float(m[1]), verify_ms=float(m[2]), commit_ms=float(m[3]))
+    if m := WORKER_CPU.search(output):
+        details.update(worker_cpu_ms=float(m[1]))
     return details
 
 
@@ -155,6 +179,8 @@ def main() -> int:
     p.add_argument("--compare-send-replicated", action="store_true",
                    help="also run each round with --deadpool-send-replicated (the buddy gets "
                         "the data-parallel replicated bytes too), side by side")
+    p.add_argument("--variant", action="append", default=[], metavar='LABEL="FLAGS"',
+                   help="one more job per round with snapshots on and these flags")
     p.add_argument("--out", type=Path, default=None, help="JSON summary path")
     p.add_argument("--dry-run", action="store_true", help="check and print; run nothing")
     ns = p.parse_args()
@@ -167,8 +193,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
             for mode in modes(ns):
-                extra = [] if mode == "off" else deadpool_args(ns) + MODES[mode]
-                job = run_job(ns.nproc, model_args(ns) + extra, Path(tmp) / f"{mode}{rnd}",
+                job = run_job(ns.nproc, model_args(ns) + mode_args(ns, mode),
+                              Path(tmp) / f"{mode}{rnd}",
                               timeout_s=900)
                 if not job.ok:
                     print(job.describe(), file=sys.stderr)
@@ -192,13 +218,13 @@ def main() -> int:
                "mean_ms_off": mean_off, "mean_ms_on": mean_on,
                "mean_ratio_on_off": mean_on / mean_off, **details,
                "memcpy_gb_s": round(memcpy, 2), "stage_gb_s": bandwidths}
-    if "on_send_all" in times:
-        all_on = statistics.median(times["on_send_all"])
-        summary["send_all"] = {"median_ms_on": all_on, "ratio_on_off": all_on / off,
-                               "mean_ratio_on_off":
-                                   statistics.fmean(times["on_send_all"]) / mean_off,
-                               **per_mode["on_send_all"],
-                               "stage_gb_s": stage_bandwidths(per_mode["on_send_all"])}
+    others = {("send_all" if mode == "on_send_all" else mode): mode
+              for mode in modes(ns) if mode not in ("off", "on")}
+    for key, mode in others.items():
+        median = statistics.median(times[mode])
+        summary[key] = {"median_ms_on": median, "ratio_on_off": median / off,
+                        "mean_ratio_on_off": statistics.fmean(times[mode]) / mean_off,
+                        **per_mode[mode], "stage_gb_s": stage_bandwidths(per_mode[mode])}
     print(json.dumps(summary, indent=2))
     print(f"ratio on/off = {on / off:.3f} (median), {mean_on / mean_off:.3f} (mean); per snapshot {details.get('copied_mb')} MB copied "
           f"to host and {details.get('sent_mb')} MB sent to the buddy per rank; host memory "
@@ -208,6 +234,17 @@ def main() -> int:
         print(f"with --deadpool-send-replicated: ratio on/off = {every['ratio_on_off']:.3f} "
               f"(median), {every['mean_ratio_on_off']:.3f} (mean); {every.get('sent_mb')} MB "
               f"sent to the buddy per rank and snapshot")
+    for key, mode in others.items():
+        if key != "send_all":
+            print(f"variant {key} ({' '.join(variants(ns)[mode])}): ratio on/off = "
+                  f"{summary[key]['ratio_on_off']:.3f} (median), "
+                  f"{summary[key]['mean_ratio_on_off']:.3f} (mean)")
+    for key, mode in [("on", "on"), *others.items()]:
+        fig = summary if key == "on" else summary[key]
+        if "worker_cpu_ms" in fig:
+            print(f"  {key}: worker thread CPU {fig['worker_cpu_ms'] / ns.interval:.1f} ms per "
+                  f"iteration (every {ns.interval}); iteration time added "
+                  f"{fig['median_ms_on'] - off:.1f} ms (median)")
     print(f"memory-copy bandwidth here (one thread): {memcpy:.2f} GB/s")
     for name, gbps in bandwidths.items():
         print(f"  {name:<28} {gbps:7.2f} GB/s  ({gbps / memcpy:.2f} x memory copy)")
