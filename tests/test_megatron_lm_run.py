@@ -24,6 +24,7 @@ import torch
 import megatron
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
+from deadpool_megatron.testing.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 from deadpool_megatron.metrics.timeline import load_events
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
@@ -190,6 +191,10 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     ("raise rank=2 iter=3 phase=forward", 2, "exit"),  # its own error: it leaves the job
     # Stopped (SIGSTOP): only its stalled progress tells; its launcher kills it.
     ("hang rank=5 iter=3 phase=backward", 5, "hang"),
+    # Not our injector: Megatron-Core's TransformerLayer.forward raises a CUDA error in
+    # rank 2 (testing/megatron_faults.py), at its 5th call: iteration 3's first micro-batch
+    # (one layer per stage, two micro-batches per iteration).
+    ("megatron raise rank=2 at=forward call=5", 2, "exit"),
 ])
 def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
         patched_tree: Path, plain, tmp_path: Path, fault: str, failed: int, how: str) -> None:
@@ -205,12 +210,17 @@ def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
     # Only the hang needs a short progress timeout (the default: 300 s before a first
     # iteration, then ten of the longest iteration, at least 20 s).
     timeout = ["--deadpool-progress-timeout", "5"] if how == "hang" else []
+    inside = fault.startswith("megatron ")
+    inject = [] if inside else ["--deadpool-inject", fault]
     job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
                        [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
-                        "--deadpool-inject", fault, *timeout],
+                        *inject, *timeout],
                        tmp_path / "launch", timeout_s=700,
-                       env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90"},
+                       env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90",
+                            **({MEGATRON_FAULT: fault.split(" ", 1)[1]} if inside else {})},
                        script=patched_tree / "pretrain_gpt.py")
+    if inside:
+        assert CUDA_ERROR in job.output, job.describe()  # reported as the rank's own error
     assert job.returncodes == [0], job.describe()
     # Hot-swapped: one declaration, a spare took rank 5, nobody restarted the job.
     assert "restarting all" not in job.output, job.describe()
