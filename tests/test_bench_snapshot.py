@@ -28,6 +28,12 @@ def test_stage_bandwidths_are_bytes_over_time() -> None:
     assert bench.memcpy_gbps(1 << 20, repeats=2) > 0
 
 
+def test_pair_ratios_divide_each_job_by_the_off_job_of_its_round() -> None:
+    bench = _tool()
+    rounds = {"off": [300.0, 360.0, 330.0], "on": [330.0, 360.0, 363.0]}
+    assert bench.pair_ratios(rounds, "on") == [1.1, 1.0, 1.1]
+
+
 def test_distributed_optimizer_flag_reaches_both_jobs() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "tools/bench_snapshot.py"), "--dry-run",
                           "--use-distributed-optimizer"], capture_output=True, text=True,

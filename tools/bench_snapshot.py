@@ -144,6 +144,13 @@ def mode_args(ns: argparse.Namespace, mode: str) -> list[str]:
     return [] if mode == "off" else deadpool_args(ns) + variants(ns)[mode]
 
 
+def pair_ratios(round_ms: dict[str, list[float]], mode: str) -> list[float]:
+    """Round by round, the median iteration time of `mode`'s job over that of the job
+    without snapshots run just before it: each pair ran under the same load, so the spread
+    of these ratios shows how much of a difference the machine's noise alone makes."""
+    return [round(on / off, 4) for on, off in zip(round_ms[mode], round_ms["off"])]
+
+
 def parse_details(output: str) -> dict[str, float]:
     """The snapshot figures a job with --deadpool logs (rank 0's lines)."""
     details: dict[str, float] = {}
@@ -189,6 +196,7 @@ def main() -> int:
     print(f"model parameters: {model_parameters(ns)} ({model_parameters(ns) / 1e9:.2f} B)",
           flush=True)
     times: dict[str, list[float]] = {mode: [] for mode in modes(ns)}
+    round_ms: dict[str, list[float]] = {mode: [] for mode in modes(ns)}  # per job
     per_mode: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
@@ -201,6 +209,7 @@ def main() -> int:
                     return 1
                 iters = [(int(i), float(ms)) for i, ms in ITER_MS.findall(job.output)]
                 times[mode] += [ms for i, ms in iters if i > ns.warmup]
+                round_ms[mode].append(statistics.median(ms for i, ms in iters if i > ns.warmup))
                 if mode != "off":
                     per_mode[mode] = parse_details(job.output)
                 print(f"round {rnd} {mode:>11}: median {statistics.median(times[mode]):.1f} ms "
@@ -216,7 +225,8 @@ def main() -> int:
                "iterations_per_mode": len(times["on"]),
                "median_ms_off": off, "median_ms_on": on, "ratio_on_off": on / off,
                "mean_ms_off": mean_off, "mean_ms_on": mean_on,
-               "mean_ratio_on_off": mean_on / mean_off, **details,
+               "mean_ratio_on_off": mean_on / mean_off,
+               "pair_ratios": pair_ratios(round_ms, "on"), **details,
                "memcpy_gb_s": round(memcpy, 2), "stage_gb_s": bandwidths}
     others = {("send_all" if mode == "on_send_all" else mode): mode
               for mode in modes(ns) if mode not in ("off", "on")}
@@ -224,6 +234,7 @@ def main() -> int:
         median = statistics.median(times[mode])
         summary[key] = {"median_ms_on": median, "ratio_on_off": median / off,
                         "mean_ratio_on_off": statistics.fmean(times[mode]) / mean_off,
+                        "pair_ratios": pair_ratios(round_ms, mode),
                         **per_mode[mode], "stage_gb_s": stage_bandwidths(per_mode[mode])}
     print(json.dumps(summary, indent=2))
     print(f"ratio on/off = {on / off:.3f} (median), {mean_on / mean_off:.3f} (mean); per snapshot {details.get('copied_mb')} MB copied "
@@ -241,6 +252,9 @@ def main() -> int:
                   f"{summary[key]['mean_ratio_on_off']:.3f} (mean)")
     for key, mode in [("on", "on"), *others.items()]:
         fig = summary if key == "on" else summary[key]
+        pairs = fig["pair_ratios"]
+        print(f"  {key}: ratio on/off round by round {' '.join(f'{r:.3f}' for r in pairs)}; "
+              f"median of the rounds {statistics.median(pairs):.3f}")
         if "worker_cpu_ms" in fig:
             print(f"  {key}: worker thread CPU {fig['worker_cpu_ms'] / ns.interval:.1f} ms per "
                   f"iteration (every {ns.interval}); iteration time added "
