@@ -14,7 +14,7 @@ from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault, target_ranks
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, checksum
-from deadpool_megatron.snapshot.engine import lower_thread_priority
+from deadpool_megatron.snapshot.engine import at_lower_priority, lower_thread_priority
 from deadpool_megatron.snapshot.manifest import build_manifest, copy_into, restore_from
 from deadpool_megatron.topology import ParallelSizes
 
@@ -143,6 +143,36 @@ def test_the_snapshot_worker_lowers_its_own_thread_priority_only() -> None:
     thread.join(10)
     assert seen == [min(19, before + 5)]
     assert os.getpriority(os.PRIO_PROCESS, main_tid) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_threads_started_at_lower_priority_inherit_it_and_errors_reach_the_caller() -> None:
+    """What the pair groups rely on: a thread started from `at_lower_priority`'s function (as
+    a gloo group's transport thread is) runs at the lowered priority; the caller's stays,
+    and the function's error is raised in the caller."""
+    main_tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, main_tid)
+    seen: list[int] = []
+
+    def child() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    def start_child() -> None:
+        thread = threading.Thread(target=child)
+        thread.start()
+        thread.join(10)
+
+    at_lower_priority(7, start_child, 10, "a test thread")
+    assert seen == [min(19, before + 7)]
+    assert os.getpriority(os.PRIO_PROCESS, main_tid) == before
+    at_lower_priority(0, start_child, 10, "a test thread")  # 0: in the calling thread
+    assert seen[-1] == before
+
+    def fail() -> None:
+        raise ValueError("made to fail")
+
+    with pytest.raises(ValueError, match="made to fail"):
+        at_lower_priority(3, fail, 10, "a test thread")
 
 
 @pytest.mark.parametrize("nice", [-1, 20])

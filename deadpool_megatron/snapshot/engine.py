@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,30 @@ def lower_thread_priority(nice: int) -> None:
 
 class SnapshotError(RuntimeError):
     """The snapshot pipeline cannot go on (timeout or a broken snapshot group)."""
+
+
+def at_lower_priority(nice: int, fn: Callable[[], None], timeout_s: float, what: str) -> None:
+    """Run `fn` in a thread whose priority is lowered by `nice` (in the calling thread when
+    0), so that the threads it starts inherit that priority; its error is raised here."""
+    if nice <= 0:
+        fn()
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        lower_thread_priority(nice)
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - raised in the calling thread
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name="deadpool-snapshot-links", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise SnapshotError(f"timed out after {timeout_s:.0f} s making {what}")
+    if failure:
+        raise failure[0]
 
 
 @dataclass
@@ -178,11 +202,19 @@ class SnapshotEngine(TrainingHooks):
         # The data-parallel peer on another node holding this rank's replicated bytes.
         self.source = replica_source_of(self.rank, sizes, rpn)
         links: dict[int, Any] = {}
-        for pair in snapshot_pairs(world, rpn, allow):
-            group = dist.new_group(ranks=list(pair), backend="gloo", timeout=self.timeout,
-                                   group_desc=SNAPSHOT_GROUP)
-            if self.rank in pair:
-                links.update({peer: group for peer in pair if peer != self.rank})
+
+        def make_links() -> None:
+            for pair in snapshot_pairs(world, rpn, allow):
+                group = dist.new_group(ranks=list(pair), backend="gloo",
+                                       timeout=self.timeout, group_desc=SNAPSHOT_GROUP)
+                if self.rank in pair:
+                    links.update({peer: group for peer in pair if peer != self.rank})
+
+        # Made from a thread at the worker's priority: each gloo group's transport thread
+        # (which does most of a transfer's socket work) is created by, and inherits the
+        # priority of, the thread that makes the group.
+        at_lower_priority(self.ft.deadpool_snapshot_nice, make_links,
+                          self.timeout.total_seconds() + 30, "the snapshot pair groups")
         self.pipe = _Pipeline(links=links)
 
     @property
