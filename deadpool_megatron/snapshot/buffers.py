@@ -61,6 +61,12 @@ def host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
     if pin and not flat.is_pinned():
         raise RuntimeError(f"could not pin {nbytes} bytes of host memory for a snapshot "
                            f"slot (raise the locked-memory limit, ulimit -l)")
+    if not pin:
+        # Every page mapped now, at set-up, not by the first snapshots' copies while the
+        # training threads compete for the cores (seen here: a 78 MB slot's first copy took
+        # 0.45-0.5 s of CPU, 20,000 page faults, against 33 ms for a later one). Pinned
+        # memory is mapped when it is allocated.
+        flat.zero_()
     return flat
 
 
