@@ -17,8 +17,9 @@ side against the same runs without snapshots; `--variant LABEL="FLAGS"` (repeata
 any other job with snapshots on and FLAGS, e.g. `--variant nice19="--deadpool-snapshot-nice
 19"` (the worker thread below the training thread's priority) or `--variant hooks="--deadpool-
 snapshot-interval 100000"` (the hooks alone: one snapshot at the start).
-Each job's worker-thread CPU time per snapshot is printed next to the iteration time it
-added: on a machine whose cores the training processes fill, the two are close.
+Each job's snapshot CPU time per iteration (its worker thread and the transport threads of
+its pair groups, read from /proc) is printed next to the iteration time it added: on a
+machine whose cores the training processes fill, the two are close.
 On a GPU machine the snapshot is a side-stream copy into pinned host memory
 (tools/gpu_check.sh runs it on a 1B-parameter model); `--dry-run` prints the jobs and the
 model's size, after checking their flags, and runs nothing.
@@ -45,6 +46,7 @@ SETUP = re.compile(r"deadpool snapshots: every .*?; ([0-9.]+) MB per snapshot \(
 SUMMARY = re.compile(r"per snapshot ([0-9.]+) MB copied in ([0-9.]+) ms, ([0-9.]+) MB sent in "
                      r"([0-9.]+) ms .*training thread waited ([0-9.]+) ms")
 WORKER_CPU = re.compile(r"worker thread CPU ([0-9.]+) ms per snapshot")
+TRANSPORT_CPU = re.compile(r"transport threads CPU ([0-9.]+) ms per snapshot")
 STAGES = re.compile(r"checksum of the copy ([0-9.]+) ms, of the received copy ([0-9.]+) ms, "
                     r"commit ([0-9.]+) ms")
 MB = 1 << 20
@@ -144,6 +146,13 @@ def mode_args(ns: argparse.Namespace, mode: str) -> list[str]:
     return [] if mode == "off" else deadpool_args(ns) + variants(ns)[mode]
 
 
+def snapshot_cpu_ms(details: dict[str, float]) -> float:
+    """CPU per snapshot of every thread a snapshot runs on (the worker, the pair groups'
+    transport threads): at most this much is taken from training, whatever the noise in
+    the iteration times."""
+    return details.get("worker_cpu_ms", 0.0) + details.get("transport_cpu_ms", 0.0)
+
+
 def pair_ratios(round_ms: dict[str, list[float]], mode: str) -> list[float]:
     """Round by round, the median iteration time of `mode`'s job over that of the job
     without snapshots run just before it: each pair ran under the same load, so the spread
@@ -164,6 +173,8 @@ def parse_details(output: str) -> dict[str, float]:
         details.update(checksum_ms=float(m[1]), verify_ms=float(m[2]), commit_ms=float(m[3]))
     if m := WORKER_CPU.search(output):
         details.update(worker_cpu_ms=float(m[1]))
+    if m := TRANSPORT_CPU.search(output):
+        details.update(transport_cpu_ms=float(m[1]))
     return details
 
 
@@ -256,8 +267,11 @@ def main() -> int:
         print(f"  {key}: ratio on/off round by round {' '.join(f'{r:.3f}' for r in pairs)}; "
               f"median of the rounds {statistics.median(pairs):.3f}")
         if "worker_cpu_ms" in fig:
-            print(f"  {key}: worker thread CPU {fig['worker_cpu_ms'] / ns.interval:.1f} ms per "
-                  f"iteration (every {ns.interval}); iteration time added "
+            cpu = snapshot_cpu_ms(fig) / ns.interval
+            print(f"  {key}: snapshot CPU {cpu:.1f} ms per iteration (every {ns.interval}; "
+                  f"worker thread {fig['worker_cpu_ms'] / ns.interval:.1f}, transport threads "
+                  f"{fig.get('transport_cpu_ms', 0.0) / ns.interval:.1f}) = {cpu / off:.3f} of "
+                  f"the iteration without snapshots; iteration time added "
                   f"{fig['median_ms_on'] - off:.1f} ms (median)")
     print(f"memory-copy bandwidth here (one thread): {memcpy:.2f} GB/s")
     for name, gbps in bandwidths.items():

@@ -45,6 +45,7 @@ from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.metrics.threads import cpu_seconds, thread_ids
 from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, chunk_table,
                                                 crc_update, unique_checksum)
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
@@ -161,6 +162,7 @@ class SnapshotEngine(TrainingHooks):
         injector.follow_commits(self._committed)  # wait=commit faults read it
         self.pipe: _Pipeline | None = None
         self.source: int | None = None  # see connect
+        self.transport_threads: set[int] = set()  # this generation's pair groups' threads
         self._cuda = self.device.index is not None
         self._side_stream: Any = None
         self.own: DoubleBuffer | None = None
@@ -204,11 +206,14 @@ class SnapshotEngine(TrainingHooks):
         links: dict[int, Any] = {}
 
         def make_links() -> None:
+            before = thread_ids()
             for pair in snapshot_pairs(world, rpn, allow):
                 group = dist.new_group(ranks=list(pair), backend="gloo",
                                        timeout=self.timeout, group_desc=SNAPSHOT_GROUP)
                 if self.rank in pair:
                     links.update({peer: group for peer in pair if peer != self.rank})
+            # The groups' threads (started meanwhile), whose CPU the summary gives.
+            self.transport_threads = thread_ids() - before
 
         # Made from a thread at the worker's priority: each gloo group's transport thread
         # (which does most of a transfer's socket work) is created by, and inherits the
@@ -376,6 +381,7 @@ class SnapshotEngine(TrainingHooks):
         if self.pipe is None or self.pipe.thread is None:
             return
         self.drain()
+        transport_s = cpu_seconds(self.transport_threads)
         self.stop()
         s = self.stats
         if self.rank == 0:
@@ -384,12 +390,13 @@ class SnapshotEngine(TrainingHooks):
                      "%.2f MB copied in %.1f ms, %.2f MB sent in %.1f ms (background); "
                      "stages per snapshot: checksum of the copy %.1f ms, of the received "
                      "copy %.1f ms, commit %.1f ms; training thread waited %.1f ms in all; "
-                     "worker thread CPU %.1f ms per snapshot",
+                     "worker thread CPU %.1f ms per snapshot; transport threads CPU %.1f ms "
+                     "per snapshot",
                      s.snapshots, s.committed, self.committed_iteration,
                      s.bytes_copied / n / MB, 1e3 * s.copy_s / n,
                      s.bytes_sent / n / MB, 1e3 * s.transfer_s / n,
                      1e3 * s.checksum_s / n, 1e3 * s.verify_s / n, 1e3 * s.commit_s / n,
-                     1e3 * s.main_wait_s, 1e3 * s.cpu_s / n)
+                     1e3 * s.main_wait_s, 1e3 * s.cpu_s / n, 1e3 * transport_s / n)
 
     def drain(self) -> None:
         """Wait until the snapshot in flight is committed or abandoned."""
