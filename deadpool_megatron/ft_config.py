@@ -37,12 +37,13 @@ class DeadPoolConfig:
                       "its unique bytes, and a recovery takes the rest from that peer."),
     )
     deadpool_snapshot_nice: int = field(
-        default=19,
+        default=0,
         metadata=flag("Niceness added to the snapshot's threads (Linux: the worker and the "
-                      "transport threads of its pair groups; 0 leaves them at the training "
-                      "thread's): the copy, checksums and transfers then use the CPU time "
-                      "the training threads leave idle before taking theirs. Compare values "
-                      "with tools/bench_snapshot.py --variant."),
+                      "transport threads of its pair groups; 0, the default, leaves them at "
+                      "the training thread's): the copy, checksums and transfers then use "
+                      "the CPU time the training threads leave idle before taking theirs. "
+                      "Not measured to help on 2 shared cores (docs/DESIGN.md); compare "
+                      "values with tools/bench_snapshot.py --variant."),
     )
     deadpool_snapshot_timeout: float = field(
         default=120.0, metadata=flag("Seconds any snapshot transfer or commit may block.")
