@@ -90,3 +90,9 @@ def test_a_host_slot_is_mapped_when_allocated_not_by_its_first_snapshot() -> Non
     flat = host_tensor(nbytes, pin=False)
     assert resident() - before >= 0.9 * nbytes
     assert flat.numel() == nbytes
+    # A spare allocating during a recovery leaves its pages to be mapped as written.
+    before = resident()
+    lazy = DoubleBuffer.allocate(nbytes, count=2, prefault=False)
+    assert resident() - before < 0.1 * nbytes
+    lazy.slots[0].flat.fill_(1)
+    assert resident() - before >= 0.9 * nbytes

@@ -352,7 +352,7 @@ class _Recovery(TrainingHooks):
         t_groups = time.perf_counter()
         member.injector.fire("recovery", member.generation)
         member.stamp("recovery")
-        member.engine.attach(state.objects)
+        member.engine.attach(state.objects, prefault=not member.ctl.is_spare)
         member.engine.connect()
         if member.ctl.is_spare and self.reached < 0:
             report = SPARE_REPORT

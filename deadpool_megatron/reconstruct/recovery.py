@@ -423,7 +423,7 @@ def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> 
     refill_out = engine.own.find(t) if plan.refill_ward[buddy] else None
     refill_in = None
     if plan.refill_ward[rank]:
-        engine.ensure_ward_buffer(shard_bytes[ward])
+        engine.ensure_ward_buffer(shard_bytes[ward], prefault=False)  # mapped as written
         refill_in = engine.ward_buffer.begin_write()
     if refill_in is not None or refill_out is not None:
         exchange(engine.links, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes,

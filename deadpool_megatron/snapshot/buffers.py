@@ -52,16 +52,18 @@ def unique_checksum(flat: torch.Tensor, split: int, table: tuple[int, ...],
     return crc_update(crc_update(crc_update(0, table_bytes(table)), flat[split:]), objects)
 
 
-def host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
+def host_tensor(nbytes: int, pin: bool, prefault: bool = True) -> torch.Tensor:
     """Host bytes for a snapshot slot. On a GPU machine they are pinned: a side-stream copy
     into pageable memory is staged and synchronous, so the snapshot would no longer overlap
-    the next iteration. Every slot, first or renewed, comes from here."""
+    the next iteration. Every slot, first or renewed, comes from here. `prefault`: map every
+    page now (below); a spare allocating during a recovery leaves its pages to be mapped
+    as they are written, by the restore or later by the worker, off the recovery's path."""
     # Pinned as allocated: no pageable copy of a many-GB shard on the way.
     flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     if pin and not flat.is_pinned():
         raise RuntimeError(f"could not pin {nbytes} bytes of host memory for a snapshot "
                            f"slot (raise the locked-memory limit, ulimit -l)")
-    if not pin:
+    if prefault and not pin:
         # Every page mapped now, at set-up, not by the first snapshots' copies while the
         # training threads compete for the cores (seen here: a 78 MB slot's first copy took
         # 0.45-0.5 s of CPU, 20,000 page faults, against 33 ms for a later one). Pinned
@@ -141,14 +143,16 @@ class DoubleBuffer:
     _writing: int | None = field(default=None, repr=False)
 
     @classmethod
-    def allocate(cls, nbytes: int, pin: bool = False, count: int = 2) -> "DoubleBuffer":
+    def allocate(cls, nbytes: int, pin: bool = False, count: int = 2,
+                 prefault: bool = True) -> "DoubleBuffer":
         if count < 2:
             raise ValueError(f"a snapshot buffer needs at least 2 slots, not {count}")
-        return cls(slots=[Slot(host_tensor(nbytes, pin)) for _ in range(count)], pin=pin)
+        return cls(slots=[Slot(host_tensor(nbytes, pin, prefault)) for _ in range(count)],
+                   pin=pin)
 
-    def renewed(self, nbytes: int) -> "DoubleBuffer":
+    def renewed(self, nbytes: int, prefault: bool = True) -> "DoubleBuffer":
         """Empty slots of another size (the shard's layout changed), pinned as these are."""
-        return DoubleBuffer.allocate(nbytes, self.pin, len(self.slots))
+        return DoubleBuffer.allocate(nbytes, self.pin, len(self.slots), prefault)
 
     def loose_slot(self) -> Slot:
         """A slot outside the pair (a copy fetched for a rehearsal), pinned as these are."""

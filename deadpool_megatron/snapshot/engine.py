@@ -255,23 +255,28 @@ class SnapshotEngine(TrainingHooks):
         return not pipe.thread.is_alive()
 
     # -- set-up ------------------------------------------------------------------------------
-    def attach(self, objs: Any) -> None:
+    def attach(self, objs: Any, prefault: bool = True) -> None:
         """(Re)build the manifest over the live objects and own buffers to match it. The
-        optimizer state is allocated first, so the layout is final from iteration 0."""
+        optimizer state is allocated first, so the layout is final from iteration 0.
+        `prefault=False`: a spare in a recovery (buffers.host_tensor)."""
         allocate_optimizer_state(objs.optimizer)
         self.objects = objs
         self.manifest = build_manifest(objs.model, objs.optimizer,
                                        self.cfg.use_distributed_optimizer)
-        self.own = self._sized(self.own, self.manifest.nbytes, OWN_SLOTS)
+        self.own = self._sized(self.own, self.manifest.nbytes, OWN_SLOTS, prefault)
 
-    def ensure_ward_buffer(self, nbytes: int) -> None:
-        self.ward_buffer = self._sized(self.ward_buffer, nbytes)
+    def ensure_ward_buffer(self, nbytes: int, prefault: bool = True) -> None:
+        self.ward_buffer = self._sized(self.ward_buffer, nbytes, prefault=prefault)
 
-    def _sized(self, buffer: DoubleBuffer | None, nbytes: int, count: int = 2) -> DoubleBuffer:
+    def _sized(self, buffer: DoubleBuffer | None, nbytes: int, count: int = 2,
+               prefault: bool = True) -> DoubleBuffer:
         """`buffer` if it has the size, else new slots, pinned on a GPU machine."""
         if buffer is None:
-            return DoubleBuffer.allocate(nbytes, pin=self._cuda, count=count)
-        return buffer if buffer.slots[0].flat.numel() == nbytes else buffer.renewed(nbytes)
+            return DoubleBuffer.allocate(nbytes, pin=self._cuda, count=count,
+                                         prefault=prefault)
+        if buffer.slots[0].flat.numel() == nbytes:
+            return buffer
+        return buffer.renewed(nbytes, prefault)
 
     def on_train_start(self, state: LoopState) -> None:
         if self.pipe is None:

@@ -231,7 +231,7 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
         if ctl.is_spare:
             objs, member.registry = build_for_rank(cfg, rank, world, cpu_rehearsal)
             member.state = LoopState(iteration=0, consumed_samples=0, objects=objs)
-            member.engine.attach(objs)
+            member.engine.attach(objs, prefault=False)  # on the recovery's path
             member.remember_identity()
             log.info("spare %s takes rank %d (generation %d); built its objects alone in "
                      "%.0f ms", ctl.worker, rank, generation, 1e3 * (time.perf_counter() - t0))
