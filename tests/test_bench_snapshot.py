@@ -46,6 +46,14 @@ def test_the_snapshot_cpu_is_the_worker_and_transport_threads_as_logged() -> Non
     assert bench.snapshot_cpu_ms(details) == 73.5
 
 
+def test_a_variant_with_its_own_snapshot_interval_is_divided_by_it() -> None:
+    bench = _tool()
+    ns = bench.argparse.Namespace(interval=1, compare_send_replicated=False,
+                                  variant=["hooks=--deadpool-snapshot-interval 100000"])
+    assert bench.snapshot_interval(ns, "on") == 1
+    assert bench.snapshot_interval(ns, "hooks") == 100000
+
+
 def test_distributed_optimizer_flag_reaches_both_jobs() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "tools/bench_snapshot.py"), "--dry-run",
                           "--use-distributed-optimizer"], capture_output=True, text=True,

@@ -138,6 +138,15 @@ def variants(ns: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def snapshot_interval(ns: argparse.Namespace, mode: str) -> int:
+    """Iterations per snapshot of `mode`'s job: the last --deadpool-snapshot-interval among
+    its flags (a variant's own one wins, as argparse takes the last)."""
+    flags = mode_args(ns, mode)
+    values = [flags[i + 1] for i, f in enumerate(flags[:-1])
+              if f == "--deadpool-snapshot-interval"]
+    return int(values[-1]) if values else ns.interval
+
+
 def modes(ns: argparse.Namespace) -> list[str]:
     return ["off", *variants(ns)]
 
@@ -267,10 +276,11 @@ def main() -> int:
         print(f"  {key}: ratio on/off round by round {' '.join(f'{r:.3f}' for r in pairs)}; "
               f"median of the rounds {statistics.median(pairs):.3f}")
         if "worker_cpu_ms" in fig:
-            cpu = snapshot_cpu_ms(fig) / ns.interval
-            print(f"  {key}: snapshot CPU {cpu:.1f} ms per iteration (every {ns.interval}; "
-                  f"worker thread {fig['worker_cpu_ms'] / ns.interval:.1f}, transport threads "
-                  f"{fig.get('transport_cpu_ms', 0.0) / ns.interval:.1f}) = {cpu / off:.3f} of "
+            every = min(snapshot_interval(ns, mode), ns.iters)
+            cpu = snapshot_cpu_ms(fig) / every
+            print(f"  {key}: snapshot CPU {cpu:.1f} ms per iteration (every {every}; "
+                  f"worker thread {fig['worker_cpu_ms'] / every:.1f}, transport threads "
+                  f"{fig.get('transport_cpu_ms', 0.0) / every:.1f}) = {cpu / off:.3f} of "
                   f"the iteration without snapshots; iteration time added "
                   f"{fig['median_ms_on'] - off:.1f} ms (median)")
     print(f"memory-copy bandwidth here (one thread): {memcpy:.2f} GB/s")
