@@ -228,8 +228,9 @@ def main() -> int:
                     print(job.describe(), file=sys.stderr)
                     return 1
                 iters = [(int(i), float(ms)) for i, ms in ITER_MS.findall(job.output)]
-                times[mode] += [ms for i, ms in iters if i > ns.warmup]
-                round_ms[mode].append(statistics.median(ms for i, ms in iters if i > ns.warmup))
+                kept = [ms for i, ms in iters if i > ns.warmup]
+                times[mode] += kept
+                round_ms[mode].append(statistics.median(kept))
                 if mode != "off":
                     per_mode[mode] = parse_details(job.output)
                 print(f"round {rnd} {mode:>11}: median {statistics.median(times[mode]):.1f} ms "
