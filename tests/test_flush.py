@@ -182,3 +182,34 @@ def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
     assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
     assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed[0] + 1
     assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+
+
+@pytest.mark.multiproc
+@pytest.mark.fault_matrix
+def test_sigterm_while_a_training_thread_is_blocked_still_flushes_every_shard(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 3's training thread blocks forever in its first backward of iteration 4 (a hung
+    kernel: cutting its connections does not free it), and the scheduler's SIGTERM comes
+    then. The flush needs only the snapshots in host memory, not the thread: rank 3 writes
+    its shard of iteration 3 too, the flush is complete, and the relaunch resumes there and
+    ends bit-exact (before, rank 3 left without writing and the flush was lost)."""
+    from deadpool_megatron.testing.megatron_faults import ENV as MEGATRON_FAULT
+
+    save = tmp_path / "ckpt"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
+            "--save-interval", "100"]
+    launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
+    call = 3 * 4 * 4 + 1  # four micro-batches of four linear layers' backwards per iteration
+    first = run_launched(launch, args, tmp_path / "first", timeout_s=400,
+                         env={**ENV, MEGATRON_FAULT: f"block rank=3 at=backward call={call}"},
+                         term_at="test fault: block in backward")
+    out = first.logs[0]
+    assert first.returncodes == [143] and not first.timed_out, first.describe()
+    assert "flushing this rank's snapshots without it" in first.output, first.describe()
+    assert [int(i) for i in FLUSHED.findall(out)] == [3], first.describe()
+    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
+                          timeout_s=400, env=ENV)
+    assert second.ok, second.describe()
+    assert [int(i) for i in LOADED.findall(second.logs[0])] == [3]
+    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == 4
+    assert second.fingerprint == failure_free_8.fingerprint, second.describe()

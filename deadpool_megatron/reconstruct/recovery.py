@@ -233,6 +233,17 @@ def leave(member: Member, training: StoppableThread | None,
     severed += cut()
     laps("severed")
     worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
+    if flushing and worker_stopped and not stopped:
+        # A flush needs only the snapshots in host memory, which the stuck thread (a hung
+        # kernel, a collective that ignores the cut) never touches: the caller writes them
+        # and exits; the groups are not torn down under the thread.
+        where = training.where() if training is not None else ""
+        log.error("rank %d: the training thread did not stop within %.0f s of its "
+                  "connections being cut; flushing this rank's snapshots without it, at:\n%s",
+                  member.rank, STOP_TIMEOUT_S, where)
+        member.events.emit("abort", generation=member.generation, severed=severed,
+                           thread_stopped=False, lost_replica=lost_replica, laps_ms=laps.ms)
+        return generation
     if not stopped or not worker_stopped:
         where = training.where() if training is not None and not stopped else "snapshot worker"
         faulthandler.dump_traceback(all_threads=True)  # every thread, into this rank's log
