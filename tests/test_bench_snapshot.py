@@ -34,6 +34,14 @@ def test_pair_ratios_divide_each_job_by_the_off_job_of_its_round() -> None:
     assert bench.pair_ratios(rounds, "on") == [1.1, 1.0, 1.1]
 
 
+def test_rounds_alternate_their_order_so_no_job_always_runs_first() -> None:
+    bench = _tool()
+    jobs = ["off", "on", "hooks"]
+    assert [bench.round_order(jobs, r) for r in range(3)] == [
+        ["off", "on", "hooks"], ["hooks", "on", "off"], ["off", "on", "hooks"]]
+    assert jobs == ["off", "on", "hooks"]  # the caller's list is left as it was
+
+
 def test_the_snapshot_cpu_is_the_worker_and_transport_threads_as_logged() -> None:
     bench = _tool()
     line = ("[2026-12-02 01:14:44,531 rank0] deadpool snapshots: 13 taken, 13 committed "

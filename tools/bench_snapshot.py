@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Failure-free cost of DeadPool snapshots: iteration time with --deadpool off and on,
-measured side by side (jobs alternate off, on, off, on, ...) in one run of this tool.
+measured side by side in one run of this tool: each round runs every job once, in the order
+off, on, ... and the next round in the reverse order, so that a drift of the machine's speed
+over the run favours neither.
 
     .venv/bin/python tools/bench_snapshot.py --rounds 3 --nproc 2
 
@@ -151,6 +153,12 @@ def modes(ns: argparse.Namespace) -> list[str]:
     return ["off", *variants(ns)]
 
 
+def round_order(jobs: list[str], rnd: int) -> list[str]:
+    """The jobs of round `rnd`: as given in even rounds, reversed in odd ones (ABBA), so
+    that a job never always runs first in its round, right after the previous round's last."""
+    return list(jobs) if rnd % 2 == 0 else list(reversed(jobs))
+
+
 def mode_args(ns: argparse.Namespace, mode: str) -> list[str]:
     return [] if mode == "off" else deadpool_args(ns) + variants(ns)[mode]
 
@@ -164,7 +172,7 @@ def snapshot_cpu_ms(details: dict[str, float]) -> float:
 
 def pair_ratios(round_ms: dict[str, list[float]], mode: str) -> list[float]:
     """Round by round, the median iteration time of `mode`'s job over that of the job
-    without snapshots run just before it: each pair ran under the same load, so the spread
+    without snapshots of the same round: each pair ran close together, so the spread
     of these ratios shows how much of a difference the machine's noise alone makes."""
     return [round(on / off, 4) for on, off in zip(round_ms[mode], round_ms["off"])]
 
@@ -220,7 +228,7 @@ def main() -> int:
     per_mode: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
-            for mode in modes(ns):
+            for mode in round_order(modes(ns), rnd):
                 job = run_job(ns.nproc, model_args(ns) + mode_args(ns, mode),
                               Path(tmp) / f"{mode}{rnd}",
                               timeout_s=900)
