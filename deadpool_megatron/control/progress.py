@@ -8,7 +8,10 @@ monitor thread stamps where the training thread is (in a collective, or elsewher
 the launcher, another process, reads both: no GIL of the worker's can delay it.
 
 A record is eleven 64-bit integers in a file the launcher names (tmpfs where there is one),
-written with single aligned stores; readers take each field as last written.
+written with single aligned stores; readers take each field as last written. A record is
+not written at once, so the stores go in an order that no read between two of them can take
+for a stall: a stamp's time before its counter, the stamp ending a long operation before its
+end; a reader takes the long operation before the rest.
 """
 
 from __future__ import annotations
@@ -62,16 +65,30 @@ class Progress:
         return PHASES[self.phase] if 0 <= self.phase < len(PHASES) else "?"
 
 
+LONG_UNTIL = FIELDS.index("long_until_ns")
+
+
 def read(path: str) -> Progress | None:
-    """The record at `path` (None before the worker created it)."""
+    """The record at `path` (None before the worker created it). Its long operation is
+    read before the rest: the worker stamps before it ends one (`long_operation`), so a
+    read that sees an operation over also sees the stamp that ended it, whatever the order
+    in which one read copies the fields."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(FORMAT.size)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    if len(data) < FORMAT.size:
+    try:
+        long_until = os.pread(fd, 8, 8 * LONG_UNTIL)
+        data = os.pread(fd, FORMAT.size, 0)
+    except OSError:
         return None
-    return Progress(*FORMAT.unpack(data))
+    finally:
+        os.close(fd)
+    if len(long_until) < 8 or len(data) < FORMAT.size:
+        return None
+    fields = list(FORMAT.unpack(data))
+    fields[LONG_UNTIL] = struct.unpack("<q", long_until)[0]
+    return Progress(*fields)
 
 
 class ProgressBoard:
@@ -101,8 +118,10 @@ class ProgressBoard:
 
     def stamp(self, phase: str, iteration: int) -> None:
         self._counter += 1
-        self._set(counter=self._counter, iteration=iteration, phase=PHASES.index(phase),
-                  stamp_ns=now_ns())
+        # The time first: a read between the stores sees the old counter with a fresh
+        # stamp (no stall), never the new counter with the old stamp.
+        self._set(stamp_ns=now_ns(), counter=self._counter, iteration=iteration,
+                  phase=PHASES.index(phase))
 
     def set_generation(self, generation: int) -> None:
         self._set(generation=generation)
@@ -119,7 +138,11 @@ class ProgressBoard:
         try:
             yield
         finally:
-            self._set(long_until_ns=0, stamp_ns=now_ns())
+            # The fresh stamp first, then the end of the operation: a launcher reading in
+            # between must never see the operation over with the stamp from before it (a
+            # stall as long as the operation, and a healthy rank declared hung).
+            self._set(stamp_ns=now_ns())
+            self._set(long_until_ns=0)
 
     def hooks(self) -> TrainingHooks:
         return _Stamps(self)
