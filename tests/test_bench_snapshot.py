@@ -103,3 +103,30 @@ def test_the_worker_cpu_figure_is_read_from_the_summary_line() -> None:
             "training thread waited 131.9 ms in all; worker thread CPU 41.5 ms per snapshot")
     details = _tool().parse_details(line)
     assert details["worker_cpu_ms"] == 41.5 and details["copy_ms"] == 73.3
+
+
+def test_the_in_job_cost_is_what_a_snapshot_adds_to_its_two_iterations() -> None:
+    """Every 5 iterations a snapshot adds 4 ms to iteration k and 20 ms to k + 1, on a
+    machine slowing down steadily and with one slow outlier: the cost comes out 24 ms."""
+    bench = _tool()
+    times = {i: 100.0 + 0.5 * i for i in range(1, 41)}
+    for k in range(5, 41, 5):
+        times[k] += 4.0
+        if k + 1 in times:
+            times[k + 1] += 20.0
+    times[23] += 50.0  # one clean iteration disturbed
+    iters = [(i, ms) for i, ms in times.items()] + [(7, times[7])]  # a second rank's line
+    got = bench.in_job_cost(iters, interval=5, warmup=3)
+    # Snapshots 5 (needs 2..4 clean: 2 and 3 are warm-up), 40 (no 41 .. 44): left out.
+    assert got["cycles"] == 6, got
+    assert abs(got["cost_ms_per_snapshot"] - 24.0) < 1e-9, got
+    clean = got["clean_iteration_ms"]
+    assert got["ratio_at_interval"] == round(1 + 24.0 / (5 * clean), 4)
+    assert got["ratio_at_interval_1"] == round(1 + 24.0 / clean, 4)
+
+
+def test_no_in_job_cost_below_interval_3_or_without_clean_neighbours() -> None:
+    bench = _tool()
+    iters = [(i, 100.0) for i in range(1, 30)]
+    assert bench.in_job_cost(iters, interval=2, warmup=3) is None
+    assert bench.in_job_cost(iters[:12], interval=10, warmup=3) is None

@@ -22,6 +22,10 @@ snapshot-interval 100000"` (the hooks alone: one snapshot at the start).
 Each job's snapshot CPU time per iteration (its worker thread and the transport threads of
 its pair groups, read from /proc) is printed next to the iteration time it added: on a
 machine whose cores the training processes fill, the two are close.
+A job with snapshots every 3 or more iterations is also measured within itself: the two
+iterations each snapshot touches against the clean iterations around them (`in_job_cost`),
+a comparison of neighbours seconds apart that the machine's drift between jobs cannot
+reach; it gives the cost per snapshot and the ratio it makes at that interval and at 1.
 On a GPU machine the snapshot is a side-stream copy into pinned host memory
 (tools/gpu_check.sh runs it on a 1B-parameter model); `--dry-run` prints the jobs and the
 model's size, after checking their flags, and runs nothing.
@@ -177,6 +181,47 @@ def pair_ratios(round_ms: dict[str, list[float]], mode: str) -> list[float]:
     return [round(on / off, 4) for on, off in zip(round_ms[mode], round_ms["off"])]
 
 
+def in_job_cost(iters: list[tuple[int, float]], interval: int,
+                warmup: int) -> dict[str, float] | None:
+    """A snapshot's cost measured inside one job with snapshots every `interval` (>= 3)
+    iterations: snapshot k's work lands in iterations k (the hand-over, waiting on the
+    previous commit) and k + 1 (the copy and transfer beside its compute, the wait for the
+    copy before its optimizer step); the others carry none. Snapshot by snapshot,
+    cost = t(k) + t(k + 1) - 2 x the median of the clean iterations around them (the
+    previous cycle's and the next one's, placed symmetrically about k + 1/2): a difference
+    of neighbours seconds apart, in which a steady drift of the machine's speed cancels,
+    where ratios of whole jobs minutes apart carry it. Returns the median cost, the clean
+    iteration time, and the on/off ratios they give at this interval and at interval 1 (the
+    cost taken as additive), or None if no snapshot had clean neighbours on both sides."""
+    if interval < 3:
+        return None
+    by_iter: dict[int, list[float]] = {}
+    for i, ms in iters:
+        by_iter.setdefault(i, []).append(ms)
+    t = {i: statistics.median(v) for i, v in by_iter.items()}
+    costs, cleans = [], []
+    for k in sorted(i for i in t if i % interval == 0):
+        around = [k + j for j in range(2, interval)] + [k - j for j in range(1, interval - 1)]
+        if any(i not in t or i <= warmup for i in (k, k + 1, *around)):
+            continue
+        clean = [t[i] for i in around]
+        base = statistics.median(clean)
+        costs.append(t[k] + t[k + 1] - 2 * base)
+        cleans.append(base)
+    if not costs:
+        return None
+    cost, clean = statistics.median(costs), statistics.median(cleans)
+    return {"cycles": len(costs), "cost_ms_per_snapshot": round(cost, 2),
+            "clean_iteration_ms": round(clean, 2),
+            "ratio_at_interval": round(1 + cost / (interval * clean), 4),
+            "ratio_at_interval_1": round(1 + cost / clean, 4)}
+
+
+def others_key(mode: str) -> str:
+    """The summary's key for a job other than off and on."""
+    return "send_all" if mode == "on_send_all" else mode
+
+
 def parse_details(output: str) -> dict[str, float]:
     """The snapshot figures a job with --deadpool logs (rank 0's lines)."""
     details: dict[str, float] = {}
@@ -226,6 +271,7 @@ def main() -> int:
     times: dict[str, list[float]] = {mode: [] for mode in modes(ns)}
     round_ms: dict[str, list[float]] = {mode: [] for mode in modes(ns)}  # per job
     per_mode: dict[str, dict[str, float]] = {}
+    in_job: dict[str, list[dict[str, float]]] = {}  # per job, jobs with interval >= 3
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
             for mode in round_order(modes(ns), rnd):
@@ -241,6 +287,9 @@ def main() -> int:
                 round_ms[mode].append(statistics.median(kept))
                 if mode != "off":
                     per_mode[mode] = parse_details(job.output)
+                    cost = in_job_cost(iters, snapshot_interval(ns, mode), ns.warmup)
+                    if cost is not None:
+                        in_job.setdefault(mode, []).append(cost)
                 print(f"round {rnd} {mode:>11}: median {statistics.median(times[mode]):.1f} ms "
                       f"per iteration so far", flush=True)
     memcpy = memcpy_gbps()
@@ -257,8 +306,7 @@ def main() -> int:
                "mean_ratio_on_off": mean_on / mean_off,
                "pair_ratios": pair_ratios(round_ms, "on"), **details,
                "memcpy_gb_s": round(memcpy, 2), "stage_gb_s": bandwidths}
-    others = {("send_all" if mode == "on_send_all" else mode): mode
-              for mode in modes(ns) if mode not in ("off", "on")}
+    others = {others_key(mode): mode for mode in modes(ns) if mode not in ("off", "on")}
     for key, mode in others.items():
         median = statistics.median(times[mode])
         summary[key] = {"median_ms_on": median, "ratio_on_off": median / off,
@@ -292,6 +340,17 @@ def main() -> int:
                   f"{fig.get('transport_cpu_ms', 0.0) / every:.1f}) = {cpu / off:.3f} of "
                   f"the iteration without snapshots; iteration time added "
                   f"{fig['median_ms_on'] - off:.1f} ms (median)")
+    for mode, jobs in in_job.items():
+        fig = summary if mode == "on" else summary[others_key(mode)]
+        fig["in_job"] = jobs
+        every = snapshot_interval(ns, mode)
+        costs = " ".join(f"{j['cost_ms_per_snapshot']:.1f}" for j in jobs)
+        ratios = " ".join(f"{j['ratio_at_interval']:.3f}" for j in jobs)
+        print(f"  {mode}: within each job (every {every}: the two iterations a snapshot "
+              f"touches against the clean ones of its cycle), cost per snapshot {costs} ms, "
+              f"job by job; ratio at interval {every} {ratios} (median "
+              f"{statistics.median(j['ratio_at_interval'] for j in jobs):.3f}); as at "
+              f"interval 1 {statistics.median(j['ratio_at_interval_1'] for j in jobs):.3f}")
     print(f"memory-copy bandwidth here (one thread): {memcpy:.2f} GB/s")
     for name, gbps in bandwidths.items():
         print(f"  {name:<28} {gbps:7.2f} GB/s  ({gbps / memcpy:.2f} x memory copy)")
