@@ -313,6 +313,8 @@ def main() -> int:
                         "mean_ratio_on_off": statistics.fmean(times[mode]) / mean_off,
                         "pair_ratios": pair_ratios(round_ms, mode),
                         **per_mode[mode], "stage_gb_s": stage_bandwidths(per_mode[mode])}
+    for mode, jobs in in_job.items():
+        (summary if mode == "on" else summary[others_key(mode)])["in_job"] = jobs
     print(json.dumps(summary, indent=2))
     print(f"ratio on/off = {on / off:.3f} (median), {mean_on / mean_off:.3f} (mean); per snapshot {details.get('copied_mb')} MB copied "
           f"to host and {details.get('sent_mb')} MB sent to the buddy per rank; host memory "
@@ -341,13 +343,11 @@ def main() -> int:
                   f"the iteration without snapshots; iteration time added "
                   f"{fig['median_ms_on'] - off:.1f} ms (median)")
     for mode, jobs in in_job.items():
-        fig = summary if mode == "on" else summary[others_key(mode)]
-        fig["in_job"] = jobs
         every = snapshot_interval(ns, mode)
         costs = " ".join(f"{j['cost_ms_per_snapshot']:.1f}" for j in jobs)
         ratios = " ".join(f"{j['ratio_at_interval']:.3f}" for j in jobs)
         print(f"  {mode}: within each job (every {every}: the two iterations a snapshot "
-              f"touches against the clean ones of its cycle), cost per snapshot {costs} ms, "
+              f"touches against the clean ones on both sides), cost per snapshot {costs} ms, "
               f"job by job; ratio at interval {every} {ratios} (median "
               f"{statistics.median(j['ratio_at_interval'] for j in jobs):.3f}); as at "
               f"interval 1 {statistics.median(j['ratio_at_interval_1'] for j in jobs):.3f}")

@@ -65,6 +65,7 @@ class Progress:
         return PHASES[self.phase] if 0 <= self.phase < len(PHASES) else "?"
 
 
+FIELD = struct.Struct("<q")
 LONG_UNTIL = FIELDS.index("long_until_ns")
 
 
@@ -78,16 +79,16 @@ def read(path: str) -> Progress | None:
     except OSError:
         return None
     try:
-        long_until = os.pread(fd, 8, 8 * LONG_UNTIL)
+        long_until = os.pread(fd, FIELD.size, FIELD.size * LONG_UNTIL)
         data = os.pread(fd, FORMAT.size, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(long_until) < 8 or len(data) < FORMAT.size:
+    if len(long_until) < FIELD.size or len(data) < FORMAT.size:
         return None
     fields = list(FORMAT.unpack(data))
-    fields[LONG_UNTIL] = struct.unpack("<q", long_until)[0]
+    fields[LONG_UNTIL] = FIELD.unpack(long_until)[0]
     return Progress(*fields)
 
 
