@@ -20,13 +20,16 @@ def draw(entries: list[dict], path: Path, title: str) -> None:
     names = list(dict.fromkeys(e["name"] for e in entries))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1.4]})
-    for name in names:
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, name in enumerate(names):
         pts = sorted((e["gpus"], e["effective_training_time"], e["spare_gpus"])
                      for e in entries if e["name"] == name)
-        style = "-" if name.startswith("deadpool") else "--"
-        top.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+        look = {"linestyle": "-" if name.startswith("deadpool") else "--",
+                "marker": "x" if name.endswith("spread") else "o",
+                "color": colours[i % len(colours)], "label": name}
+        top.plot([p[0] for p in pts], [p[1] for p in pts], **look)
         if any(p[2] for p in pts):
-            bottom.plot([p[0] for p in pts], [p[2] for p in pts], style, marker="o", label=name)
+            bottom.plot([p[0] for p in pts], [p[2] for p in pts], **look)
     top.set_xscale("log")
     top.set_ylabel("effective training time")
     top.grid(True, which="both", alpha=0.3)
