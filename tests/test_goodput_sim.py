@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,11 @@ def checkpointing(interval: float, save: float, downtime: float) -> Rollback:
 
 
 MTBF, SAVE = 3600.0, 10.0
-SAMPLE = failures.sample(one_class(MTBF), 8, 20000 * MTBF, seed=3)  # ~20,000 failures
+
+
+@pytest.fixture(scope="module")
+def sample() -> failures.FailureSample:
+    return failures.sample(one_class(MTBF), 8, 20000 * MTBF, seed=3)  # ~20,000 failures
 
 
 def test_advance_counts_computing_and_saving_through_cycles():
@@ -54,7 +59,7 @@ def test_failure_free_run_pays_exactly_its_save_per_interval():
     assert out.effective == pytest.approx(0.9)
 
 
-def test_young_daly_optimum_is_reproduced():
+def test_young_daly_optimum_is_reproduced(sample):
     """The interval that minimises the simulated loss, from a fit of loss = a / T + b T + c
     over T = 0.5 .. 2 x sqrt(2 C M) on ~20,000 sampled failures, lies within 10 % of
     sqrt(2 C M) (Young's first order; the exact optimum of this model, Daly's, is 2.5 %
@@ -62,7 +67,7 @@ def test_young_daly_optimum_is_reproduced():
     1 %)."""
     young = analytic.young_daly_interval(SAVE, MTBF)
     grid = young * np.linspace(0.5, 2.0, 13)
-    loss = np.array([1.0 - run_rollback(checkpointing(t, SAVE, 0.0), SAMPLE, 0).effective
+    loss = np.array([1.0 - run_rollback(checkpointing(t, SAVE, 0.0), sample, 0).effective
                      for t in grid])
     (a, b, _), *_ = np.linalg.lstsq(np.column_stack([1 / grid, grid, np.ones_like(grid)]),
                                     loss, rcond=None)
@@ -70,12 +75,12 @@ def test_young_daly_optimum_is_reproduced():
     assert grid[np.argmin(loss)] == pytest.approx(young, rel=0.25)  # on the grid itself
 
 
-def test_checkpoint_restart_loss_matches_the_closed_form():
+def test_checkpoint_restart_loss_matches_the_closed_form(sample):
     """At the Young/Daly interval with a 300 s restart, the simulated loss is within 2 % of
     the restart-dump model's exact expectation (its sampling error here is about 0.7 %,
     mostly the Poisson count of failures: 19,766 drawn for 20,000 expected)."""
     young = analytic.young_daly_interval(SAVE, MTBF)
-    sim = 1.0 - run_rollback(checkpointing(young, SAVE, 300.0), SAMPLE, 0).effective
+    sim = 1.0 - run_rollback(checkpointing(young, SAVE, 300.0), sample, 0).effective
     exact = 1.0 - analytic.restart_efficiency(young, SAVE, MTBF, 300.0)
     assert sim == pytest.approx(exact, rel=0.02)
     # Young's first-order formula is close too, but not the reference (terms of order C/M).
@@ -87,14 +92,28 @@ def test_replica_drop_accounts_one_failure_exactly():
     f = failures.FailureSample(np.array([t0]), np.array([0]), np.array([0]), horizon, 1)
     s = ReplicaDrop("replica_drop_test", "", (detect,) * 4, reconfig, it, (back,) * 4, replicas, 1)
     out = run_replica_drop(s, f)
-    done = t0 - it + (replicas - 1) / replicas * (back - detect - reconfig) + (horizon - t0 - back - reconfig)
+    reduced = (replicas - 1) / replicas * (back - detect - reconfig)
+    done = t0 - it + reduced + (horizon - t0 - back - reconfig)
     assert out.effective == pytest.approx(done / horizon)
+
+
+def test_an_empty_pool_falls_back_and_a_repaired_unit_comes_back():
+    """Two failures 10 s apart, each taking the pool's one GPU for 100 s: the second finds
+    it empty and pays the fallback; a third after the repair finds it again."""
+    f = failures.FailureSample(np.array([0.0, 10.0, 200.0]), np.zeros(3, int), np.zeros(3, int),
+                               1000.0, 1)
+    s = Rollback("deadpool_test", "", 0.0, math.inf, (1.0,) * 4, (50.0,) * 4,
+                 {"gpu": (1, 100.0)})
+    out = run_rollback(s, f, pool=1)
+    assert out.pool_empty == 1
+    assert out.downtime_s == pytest.approx(1.0 + 50.0 + 1.0)
 
 
 def test_spare_pool_needs_the_most_held_at_once():
     t = np.array([0.0, 1.0, 2.0, 10.0])
     assert failures.most_held(t, np.array([1, 8, 1, 1]), np.full(4, 5.0)) == 10
-    assert failures.most_held(t, np.ones(4, int), np.full(4, 1.0)) == 1  # given back at 1.0, taken again
+    # given back at 1.0 and taken again at once
+    assert failures.most_held(t, np.ones(4, int), np.full(4, 1.0)) == 1
     assert failures.spares_needed(one_class(MTBF), 8, 1e6, {}, 0.01, seed=1) == 0
 
 
@@ -135,9 +154,18 @@ def test_deadpool_at_16384_gpus_beats_checkpoint_restart_above_099(runs):
     assert all(0.0 <= e["effective_training_time"] <= 1.0 for e in by.values())
     for name in ("deadpool_local", "deadpool_spread"):
         assert by[name]["effective_training_time"] >= 0.99
-        assert by[name]["effective_training_time"] > by["checkpoint_restart"]["effective_training_time"]
+        assert (by[name]["effective_training_time"]
+                > by["checkpoint_restart"]["effective_training_time"])
     assert doc["scales"][0]["failures_total"] > 0
     assert by["deadpool_local"]["spare_gpus"] > 0
+
+
+def test_png_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    from deadpool_megatron.goodput import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+        plot.draw([], tmp_path / "g.png", "t")
 
 
 def test_bad_input_is_refused_with_a_clear_error(capsys):

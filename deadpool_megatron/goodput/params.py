@@ -102,7 +102,8 @@ class JobShape:
     @property
     def checkpoint_bytes_per_gpu(self) -> float:
         """Fully parallel save: the checkpoint (weights + optimizer) spread over all GPUs."""
-        return (self.weight_bytes.value + self.optimizer_bytes.value) * self.model_params / self.gpus
+        per_param = self.weight_bytes.value + self.optimizer_bytes.value
+        return per_param * self.model_params / self.gpus
 
     @property
     def shard_bytes(self) -> float:
