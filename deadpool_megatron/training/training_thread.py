@@ -137,7 +137,8 @@ class TrainingThread:
             except Rebuild:
                 raise
             except BaseException as err:  # noqa: BLE001 - judged by the main thread
-                stopped = Stopped(without_frames(err), traceback.format_exc())
+                text = traceback.format_exc()  # before without_frames drops the frames
+                stopped = Stopped(without_frames(err), text)
             # Outside the except block: nothing of the left frames is held while parked.
             work = self._park(stopped)
 
