@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPT_3D_ARGS
+from recoveries import check_recoveries
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.fault_matrix]
@@ -39,31 +40,6 @@ def _launch(tmp: Path, args: list[str], faults: list[str],
     return run, sorted(out, key=lambda e: e["t"])
 
 
-def _check_recoveries(run: JobResult, events: list[dict], reference: str, count: int) -> list[dict]:
-    """What every recovery must show; returns the `recovered` events."""
-    assert run.ok, run.describe()
-    assert run.fingerprint == reference, run.describe()
-    audits = [line for line in run.output.splitlines() if "group audit on rank" in line]
-    assert len(audits) == 8 * count, run.describe()
-    assert all(", 0 of them from an old generation" in line for line in audits), audits
-    recovered = [e for e in events if e["event"] == "recovered"]
-    assert sorted({e["generation"] for e in recovered}) == list(range(1, count + 1))
-    for e in recovered:
-        assert len([r for r in recovered if r["generation"] == e["generation"]]) == 8
-        if e["how"] != "buddy":  # a survivor: same tensors, no second copy of its state
-            assert e["kept_objects"], e
-            assert e["rss_peak"] <= 1.1 * e["rss_steady"], e
-        done = [d for d in events if d["event"] == "replay_done" and d["rank"] == e["rank"]
-                and d["t"] > e["t"] and d["iteration"] == e["last_iteration"]]
-        if e["last_iteration"] > e["restored"]:
-            assert done and done[0]["microbatches_computed"] == e["microbatches_recomputed"], e
-        if e["kept_grads"]:
-            assert e["microbatches_recomputed"] == 0, e
-    released = [e for e in events if e["event"] == "groups_released"]
-    assert released and all(not e["alive"] for e in released), released  # none left polling
-    return recovered
-
-
 @pytest.fixture(scope="module")
 def tp2_dp4_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     run = run_job(8, [*TP2_DP4, "--train-iters", str(ITERS)],
@@ -80,7 +56,7 @@ def test_every_point_of_an_iteration_3d_distributed_optimizer(
               "kill rank=1 iter=7 phase=optimizer",  # just before the optimizer step
               "kill rank=3 iter=8 phase=backward wait=commit"]
     run, events = _launch(tmp_path, [*GPT_3D_ARGS], faults, spares=5)
-    recovered = _check_recoveries(run, events, failure_free_8.fingerprint, count=5)
+    recovered = check_recoveries(run, events, failure_free_8.fingerprint, count=5)
     by_gen = {g: [e for e in recovered if e["generation"] == g] for g in range(1, 6)}
     # Iteration 1: everyone stands on the starting state's snapshot; replica 1 kept its
     # gradients of iteration 1 and recomputes nothing.
@@ -102,7 +78,7 @@ def test_every_point_tp2_dp4_plain_optimizer(tmp_path: Path, tp2_dp4_reference: 
               "kill rank=0 iter=7 phase=reduction",
               "kill rank=5 iter=8 phase=optimizer"]
     run, events = _launch(tmp_path, TP2_DP4, faults, spares=5)
-    recovered = _check_recoveries(run, events, tp2_dp4_reference, count=5)
+    recovered = check_recoveries(run, events, tp2_dp4_reference, count=5)
     second = [e for e in recovered if e["generation"] == 2]
     assert {e["rank"] for e in second if e["kept_grads"]} == {0, 1, 2, 3, 6, 7}
     assert {e["rank"]: e["microbatches_recomputed"] for e in second if not e["kept_grads"]} \

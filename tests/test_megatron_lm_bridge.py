@@ -56,7 +56,7 @@ def _megatron_like_step(loop: MegatronLoop, config: SimpleNamespace, weight: tor
         out = model * next(data_iterator)
         return out, lambda t: (t.sum(), {})
 
-    step = loop.forward_step(forward_step)
+    step, _ = loop.step_functions(forward_step, lambda **kwargs: None)
     data = iter([torch.ones(2)] * microbatches)
     for _ in range(microbatches):
         out, loss_fn = step(data, weight)
@@ -89,6 +89,54 @@ def test_hooks_fire_in_our_loops_order() -> None:
     assert rec.seen == expected + ["train_end"]
     assert reduced == [1, 1], "Megatron's own reduction still runs, once per iteration"
     assert config.finalize_model_grads_func is original, "unwrapped after the loop"
+
+
+def test_an_iteration_that_keeps_its_gradients_runs_no_forward_backward() -> None:
+    """A replica that lost nothing stops at its reduction and re-enters the same iteration
+    with its gradients: the schedule is not run again; the reduction gets the token count
+    and the caller the losses the interrupted micro-batches recorded."""
+    from deadpool_megatron.replay.plan import MicrobatchWork
+
+    class StopAtReduction(TrainingHooks):
+        stopped = False
+
+        def before_grad_reduction(self, state: LoopState) -> None:
+            if not self.stopped:
+                self.stopped = True
+                raise RuntimeError("a peer failed: stop before the reduction")
+
+    reduced: list[object] = []
+    config = SimpleNamespace(finalize_model_grads_func=lambda model, num_tokens, **k:
+                             reduced.append(num_tokens))
+    args = add_deadpool_args(argparse.ArgumentParser()).parse_args([])
+    args.consumed_train_samples = 0
+    loop = MegatronLoop.start(args, [], None, None, config, iteration=0,
+                              extra_hooks=[StopAtReduction()])
+    ran: list[int] = []
+
+    def forward_backward(**kwargs):
+        ran.append(1)
+        for _ in range(2):
+            out = kwargs["forward_step_func"](iter([torch.ones(1)]), torch.ones(1))
+            out[1](out[0])
+        config.finalize_model_grads_func([kwargs["model"]], 8)
+        return ["computed"]
+
+    def forward_step(data_iterator, model):
+        return model * next(data_iterator), lambda t: (t.sum(), {"lm loss": t.sum()})
+
+    step, schedule = loop.step_functions(forward_step, forward_backward)
+    loop.iteration_start(0, 0)
+    with pytest.raises(RuntimeError, match="stop before the reduction"):
+        schedule(forward_step_func=step, model="m")
+    loop.work = {1: MicrobatchWork(microbatches=(), keep_grads=True)}
+    loop.iteration_start(0, 0)  # the same iteration, entered again with its gradients
+    losses = schedule(forward_step_func=step, model="m")
+    assert ran == [1] and reduced == [8]
+    assert losses == [{"lm loss": torch.ones(1).sum()}] * 2
+    loop.work = {}
+    loop.iteration_start(1, 8)  # the next one runs as usual
+    assert schedule(forward_step_func=step, model="m") == ["computed"] and ran == [1, 1]
 
 
 def test_deadpool_flags_join_megatrons_parser_and_map_back() -> None:
@@ -146,9 +194,11 @@ def test_run_train_enters_train_again_where_the_restore_put_it(monkeypatch) -> N
     timers = Timers(0, "minmax")
     monkeypatch.setattr(training, "get_args", lambda: margs)
     monkeypatch.setattr(training, "get_timers", lambda: timers)
-    monkeypatch.setattr(megatron_lm, "_data_iterators_at",
-                        lambda provider: (f"train@{margs.consumed_train_samples}",
-                                          f"valid@{provider}"))
+    monkeypatch.setattr(megatron_lm, "train_iterator_at",
+                        lambda iterator, consumed: f"train@{consumed}")
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
     entries, restored = [], []
 
     def restore(objects):
@@ -161,6 +211,7 @@ def test_run_train_enters_train_again_where_the_restore_put_it(monkeypatch) -> N
                         call.arguments["valid_data_iterator"], call.arguments["pg_collection"]))
         if len(entries) == 1:
             timers("interval-time", log_level=0)._started = True  # left running, as train()
+            machine.state = RerunState.INITIAL_RUN  # left inside a forward-backward pass
             raise ReenterTrain(restore, "test")
         timers("interval-time", log_level=0)._started is False or pytest.fail("still started")
         return 5, 1.5
@@ -169,7 +220,9 @@ def test_run_train_enters_train_again_where_the_restore_put_it(monkeypatch) -> N
     result = run_train(train, "provider", "fwd", ["chunk"], "opt", "sched", "it0", "va0", None,
                        "cfg", {}, None, pg_collection="pgs")
     assert result == (5, 1.5)
-    assert entries == [(0, "it0", "va0", "pgs"), (3, "train@24", "valid@provider", "pgs")]
+    # Only the training iterator moves (the validation one is kept, as its dataset).
+    assert entries == [(0, "it0", "va0", "pgs"), (3, "train@24", "va0", "pgs")]
+    assert (machine.state, machine.current_iteration) == (RerunState.NOT_RUNNING_YET, 3)
     assert (margs.iteration, margs.curr_iteration, margs.consumed_train_samples) == (3, 3, 24)
     assert [(o.model, o.optimizer, o.scheduler, o.config) for o in restored] == \
         [(["chunk"], "opt", "sched", "cfg")]

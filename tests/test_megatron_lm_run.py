@@ -6,8 +6,10 @@ a bit of the training, and the micro-batch phases reach the fault injector at th
 point of Megatron's own loop. Megatron's own --save/--load resume the same training, and so
 does Megatron's train() entered again after every rank restored its buddy's copy of a
 snapshot. Dropout is on (Megatron's default, 0.1): the resumes must rewind its streams too.
-Under deadpool-launch with --deadpool a killed rank is hot-swapped: a warm spare takes it and
-every member enters Megatron's pretrain() again (integration/megatron_lm_elastic.py)."""
+Under deadpool-launch with --deadpool a failed rank is hot-swapped without leaving
+Megatron's pretrain(): a warm spare built alone takes it, the survivors keep their objects
+and rebind their groups, and train() is entered again at the restored iteration
+(integration/megatron_lm_elastic.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from deadpool_megatron.patching.cli import run
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 from deadpool_megatron.testing.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 from deadpool_megatron.metrics.timeline import load_events
+from recoveries import check_recoveries
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
 DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
@@ -185,71 +188,86 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     assert job.fingerprint == run.fingerprint, job.describe()
 
 
-@pytest.mark.fault_matrix
-@pytest.mark.parametrize("fault, failed, how", [
-    ("kill rank=5 iter=3 phase=backward", 5, "exit"),  # killed: its launcher sees the exit
-    ("raise rank=2 iter=3 phase=forward", 2, "exit"),  # its own error: it leaves the job
-    # Stopped (SIGSTOP): only its stalled progress tells; its launcher kills it.
-    ("hang rank=5 iter=3 phase=backward", 5, "hang"),
-    # Not our injector: Megatron-Core's TransformerLayer.forward raises a CUDA error in
-    # rank 2 (testing/megatron_faults.py), at its 5th call: iteration 3's first micro-batch
-    # (one layer per stage, two micro-batches per iteration).
-    ("megatron raise rank=2 at=forward call=5", 2, "exit"),
-])
-def test_under_deadpool_launch_a_failed_rank_is_hot_swapped_in_megatrons_loop(
-        patched_tree: Path, plain, tmp_path: Path, fault: str, failed: int, how: str) -> None:
-    """--deadpool under deadpool-launch, a warm spare per failure domain: a rank fails in
-    iteration 3. A spare takes its rank (no worker is restarted), every member enters
-    Megatron's pretrain() again, restores snapshot 2 (the spare from its buddy) and
-    Megatron's train() recomputes iterations 3 and 4; the run ends with the fingerprint of
-    the run without failure. A hung rank is found by the progress Megatron's loop stamps,
-    while the start-up of the new generation's pretrain() (seconds, longer than the
-    progress timeout) is not taken for a hang."""
-    run, _ = plain
+def _hot_swap(tmp_path: Path, patched_tree: Path, faults: list[str], spares: int,
+              extra: list[str] = (), env: dict[str, str] | None = None
+              ) -> tuple[JobResult, list[dict]]:
+    """Megatron's pretrain() under deadpool-launch with --deadpool and `faults`, one after
+    another, each taken by a warm spare; the events of every rank, in time order."""
     events = tmp_path / "events"
-    # Only the hang needs a short progress timeout (the default: 300 s before a first
-    # iteration, then ten of the longest iteration, at least 20 s).
-    timeout = ["--deadpool-progress-timeout", "5"] if how == "hang" else []
-    inside = fault.startswith("megatron ")
-    inject = [] if inside else ["--deadpool-inject", fault]
-    job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
-                       [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
-                        *inject, *timeout],
-                       tmp_path / "launch", timeout_s=700,
-                       env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90",
-                            **({MEGATRON_FAULT: fault.split(" ", 1)[1]} if inside else {})},
+    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
+            "--deadpool-audit-groups", *extra]
+    for fault in faults:
+        args += ["--deadpool-inject", fault]
+    job = run_launched(["--nproc-per-node", "8", "--spares", str(spares),
+                        "--logical-nodes", "2"], args, tmp_path / "launch", timeout_s=700,
+                       env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90", **(env or {})},
                        script=patched_tree / "pretrain_gpt.py")
-    if inside:
-        assert CUDA_ERROR in job.output, job.describe()  # reported as the rank's own error
-    assert job.returncodes == [0], job.describe()
-    # Hot-swapped: one declaration, a spare took rank 5, nobody restarted the job.
+    # Hot-swapped: no worker restarted, every rank's iterations printed once.
     assert "restarting all" not in job.output, job.describe()
     assert not (tmp_path / "launch" / "workers" / "epoch1").exists()
-    ev = load_events(events)
-    declared = [e for e in ev if e["event"] == "generation_declared"]
-    assert [(d["generation"], d["failed_ranks"]) for d in declared] == [(1, [failed])], \
-        declared
-    assert list(declared[0]["replaced"]) == [str(failed)], declared
-    assert declared[0]["replaced"][str(failed)].startswith("s"), declared  # a spare's id
-    detected = [e for e in ev if e["event"] == "failure_detected"]
-    assert [(e["rank"], e["how"]) for e in detected] == [(failed, how)], detected
-    verdicts = [(e["culprits"], e["certain"]) for e in ev if e["event"] == "hang_localized"]
-    assert verdicts == ([([f"w{failed}"], True)] if how == "hang" else []), verdicts
-    recovered = {e["rank"]: e for e in ev if e["event"] == "recovered"}
-    assert sorted(recovered) == list(range(8)), recovered
-    assert {r: (e["generation"], e["restored"], e["how"]) for r, e in recovered.items()} == \
-        {r: (1, 2, "buddy" if r == failed else "own") for r in range(8)}, recovered
-    # The hooks in the new generation, in order on every rank: the recovery, then
-    # iterations 3 and 4, each completed and snapshotted (snapshot 2, restored, is not
-    # taken again).
-    for rank in range(8):
-        after = [e for e in ev if e["rank"] == rank and e["t"] >= recovered[rank]["t"]]
-        steps = [e["iteration"] for e in after if e["event"] == "step_completed"]
-        commits = [e["iteration"] for e in after if e["event"] == "snapshot_committed"]
-        assert (steps, commits) == ([3, 4], [3, 4]), (rank, after)
     assert sorted(int(i) for i in re.findall(r"iteration +(\d+)/ +4 \|", job.output)) == \
         [1, 2, 3, 4], job.describe()
-    # The same training, bit for bit (iteration 3's loss is the first line of the new
-    # pretrain(), not averaged with an earlier one: comparable).
-    assert job.fingerprint == run.fingerprint, job.describe()
-    assert job.losses[3] == run.losses[3], job.describe()
+    return job, sorted(load_events(events), key=lambda e: e["t"])
+
+
+def _spares_took(events: list[dict]) -> list[tuple[int, list[int], str]]:
+    declared = [e for e in events if e["event"] == "generation_declared"]
+    for d in declared:
+        assert all(w.startswith("s") for w in d["replaced"].values()), d  # a spare each
+    return [(d["generation"], d["failed_ranks"], sorted(d["replaced"])) for d in declared]
+
+
+@pytest.mark.fault_matrix
+def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
+        patched_tree: Path, plain, tmp_path: Path) -> None:
+    """Four kills in Megatron's own loop, one an iteration: in the first iteration's
+    forward, a backward, the data-parallel reduction and just before the optimizer step.
+    Each is taken by a spare built alone; survivors keep their objects (same parameter
+    tensors, no dataset rebuilt) and only rebind their groups; the replica that lost
+    nothing keeps its gradients; each rank recomputes exactly the micro-batches the plan
+    counted lost; the run ends with the failure-free fingerprint."""
+    run, _ = plain
+    job, events = _hot_swap(tmp_path, patched_tree, [
+        "kill rank=5 iter=1 phase=forward", "kill rank=2 iter=2 phase=backward",
+        "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4)
+    recovered = check_recoveries(job, events, run.fingerprint, count=4)
+    assert _spares_took(events) == [(1, [5], ["5"]), (2, [2], ["2"]), (3, [6], ["6"]),
+                                    (4, [1], ["1"])]
+    gen = {g: {e["rank"]: e for e in recovered if e["generation"] == g} for g in range(1, 5)}
+    assert {e["restored"] for e in gen[1].values()} == {0}  # the starting state's snapshot
+    for g, failed in ((1, 5), (2, 2)):  # before the reduction: the other replica keeps
+        kept = {r for r, e in gen[g].items() if e["kept_grads"]}
+        assert kept and failed not in kept and len(kept) == 4, (g, gen[g])
+        # Two micro-batches a replica (global batch 8 = 2 x micro-batch 2 x DP 2).
+        assert all(gen[g][r]["microbatches_recomputed"] == 2 for r in set(range(8)) - kept)
+    for g in (3, 4):  # a reduction had begun: no gradient is trusted
+        assert not any(e["kept_grads"] for e in gen[g].values()), gen[g]
+    # Only the spare came from its buddy; the survivors kept their live state.
+    for g, failed in ((1, 5), (2, 2), (3, 6), (4, 1)):
+        assert {r for r, e in gen[g].items() if e["how"] == "buddy"} == {failed}, gen[g]
+    assert job.losses[4] == run.losses[4], job.describe()
+
+
+@pytest.mark.fault_matrix
+def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
+        patched_tree: Path, plain, tmp_path: Path) -> None:
+    """Failures as they come: a CUDA error raised by Megatron-Core's TransformerLayer.forward
+    in rank 6 (not our injector: testing/megatron_faults.py, its 3rd call: iteration 2's
+    first micro-batch), an exception of rank 2's own in iteration 3, and rank 5 stopped
+    (SIGSTOP) in iteration 4's backward, found by its stalled progress and killed by its
+    launcher. A rank's own error leaves at once with its traceback; every one is taken by a
+    spare and the run ends with the failure-free fingerprint."""
+    run, _ = plain
+    job, events = _hot_swap(
+        tmp_path, patched_tree,
+        ["raise rank=2 iter=3 phase=forward", "hang rank=5 iter=4 phase=backward"], spares=3,
+        extra=["--deadpool-progress-timeout", "5"],
+        env={MEGATRON_FAULT: "raise rank=6 at=forward call=3"})
+    check_recoveries(job, events, run.fingerprint, count=3)
+    assert _spares_took(events) == [(1, [6], ["6"]), (2, [2], ["2"]), (3, [5], ["5"])]
+    detected = [(e["rank"], e["how"]) for e in events if e["event"] == "failure_detected"]
+    assert detected == [(6, "exit"), (2, "exit"), (5, "hang")], detected
+    assert CUDA_ERROR in job.output and "InjectedFault" in job.output, job.describe()
+    assert job.output.count("Traceback (most recent call last)") >= 2, job.describe()
+    verdicts = [(e["culprits"], e["certain"]) for e in events if e["event"] == "hang_localized"]
+    assert verdicts == [(["w5"], True)], verdicts

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import inspect
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from deadpool_megatron.config import ConfigError, TrainConfig, add_arguments, from_namespace
@@ -159,13 +160,25 @@ class RewindRehearsal(TrainingHooks):
 
 
 def run_train(train: Callable, datasets_provider: Callable, *args: Any, **kwargs: Any) -> Any:
-    """The patched pretrain()'s call of Megatron's train(args...): when a hook raises
-    ReenterTrain, leave train(), restore the objects, put Megatron's position (args.iteration,
-    args.consumed_train_samples) there, rebuild the data iterators from that position
-    (Megatron's sampler starts at consumed_train_samples) and enter train() again."""
-    from megatron.training import get_args, get_timers
+    """The patched pretrain()'s call of Megatron's train(args...). Under deadpool-launch
+    with --deadpool (hot-swap, megatron_lm_elastic.py) the training thread parks here
+    between generations; anywhere else, train() is entered again whenever a hook raises
+    ReenterTrain (--deadpool-verify-restore-at)."""
+    from megatron.training import get_args
 
     call = inspect.signature(train).bind(*args, **kwargs)
+    session = getattr(get_args(), "deadpool_session", None)
+    if session is not None:
+        return session.run_train(train, call)
+    return enter_train(train, call)
+
+
+def enter_train(train: Callable, call: inspect.BoundArguments) -> Any:
+    """Megatron's train(); when a hook raises ReenterTrain, leave it, restore the objects,
+    put Megatron's position (args.iteration, args.consumed_train_samples) there, move the
+    training data iterator to that position and enter train() again."""
+    from megatron.training import get_args
+
     margs = get_args()
     while True:
         try:
@@ -174,50 +187,74 @@ def run_train(train: Callable, datasets_provider: Callable, *args: Any, **kwargs
             reason = str(again)
             restore = again.restore
         # Outside the except block: the error (and the left train()'s frames) is gone.
-        if getattr(margs, "virtual_pipeline_model_parallel_size", None) is not None:
-            raise RuntimeError("re-entering Megatron's train() with a virtual pipeline "
-                               "(one data iterator per stage) is not supported yet: drop "
-                               "--num-layers-per-virtual-pipeline-stage with it")
-        objects = _train_objects(call.arguments)
-        restored = restore(objects)
+        restored = restore(megatron_objects(call.arguments))
         margs.iteration = margs.curr_iteration = int(restored["iteration"])
         margs.consumed_train_samples = int(restored["consumed_samples"])
-        call.arguments["train_data_iterator"], call.arguments["valid_data_iterator"] = \
-            _data_iterators_at(datasets_provider)
-        _stop_timers(get_timers())
+        call.arguments["train_data_iterator"] = train_iterator_at(
+            call.arguments["train_data_iterator"], margs.consumed_train_samples)
+        left_train(margs.iteration)
         if _rank() == 0:  # printed, as Megatron's own lines are (its logging stays quiet)
             print(f"{reason}: Megatron's train() entered again at iteration {margs.iteration} "
                   f"({margs.consumed_train_samples} samples consumed)", flush=True)
 
 
-def _train_objects(arguments: dict[str, Any]) -> Any:
-    """train()'s model, optimizer and scheduler, as the snapshot code reads them."""
+# train()'s arguments that hold no process group: the rebind does not walk them (a data
+# iterator reaches its whole dataset: half a second of walking on every recovery).
+_HOLD_NO_GROUP = frozenset({"forward_step_func", "train_data_iterator", "valid_data_iterator",
+                            "process_non_loss_data_func", "non_loss_data_func"})
+
+
+def megatron_objects(arguments: dict[str, Any]) -> Any:
+    """train()'s model, optimizer and scheduler, as the snapshot code reads them; its other
+    arguments that may hold a group (a process-group collection, a p2p communicator, the
+    checkpointing context) are held for the rebind, which swaps groups inside them."""
     from deadpool_megatron.integration.model import TrainingObjects
 
+    held = {k: v for k, v in arguments.items() if k not in _HOLD_NO_GROUP}
     return TrainingObjects(arguments["model"], arguments["optimizer"],
-                           arguments["opt_param_scheduler"], arguments["config"])
+                           arguments["opt_param_scheduler"], arguments["config"],
+                           held=[held])
 
 
-def _data_iterators_at(datasets_provider: Callable) -> tuple[Any, Any]:
-    """Megatron's train and valid iterators, built again from args.consumed_train_samples
-    (collective over the world, as in pretrain()). The RNG streams are left as the restore
-    set them: building a DataLoader's iterator draws from torch's default generator."""
-    import megatron.training.training as training
+def train_iterator_at(iterator: Any, consumed_samples: int) -> Any:
+    """A training data iterator like `iterator` (Megatron's, over the same dataset) that
+    starts at `consumed_samples`: built locally, the dataset kept. The random streams are
+    left as they were (making a DataLoader's iterator draws its workers' base seed from
+    torch's default generator, which on CPU dropout reads too)."""
+    import torch
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training import get_args
+    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 
-    from deadpool_megatron.integration.rng_state import get_rng_state, set_rng_state
+    if iterator is None:  # a rank that reads no data (Megatron gives it no iterator)
+        return None
+    if isinstance(iterator, list):
+        raise RuntimeError("moving a virtual pipeline's data iterators (one per stage) is "
+                           "not supported yet: drop --num-layers-per-virtual-pipeline-stage")
+    dataset = getattr(getattr(iterator, "iterable", None), "_dataset", None)
+    if dataset is None or get_args().dataloader_type != "single":
+        raise RuntimeError("only Megatron's 'single' data loader can be moved to a restored "
+                           "position: drop --dataloader-type "
+                           f"{get_args().dataloader_type}")
+    loader = build_pretraining_data_loader(dataset, consumed_samples)
+    with torch.random.fork_rng(devices=[]):
+        return RerunDataIterator(iter(loader))
 
-    rng = get_rng_state()
-    iterators = training.build_train_valid_test_data_iterators(datasets_provider)
-    set_rng_state(rng)
-    return iterators[0], iterators[1]
 
+def left_train(iteration: int) -> None:
+    """What a train() left in the middle of an iteration leaves behind, put back as at the
+    start of iteration `iteration` + 1: its timers running (a timer started twice asserts;
+    Megatron's Timers has no public list of them), and the rerun state machine inside a
+    forward-backward pass (it would skip the next one)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+    from megatron.training import get_timers
 
-def _stop_timers(timers: Any) -> None:
-    """The left train() leaves its timers running (interval-time among them); a timer
-    started twice asserts. Megatron's Timers has no public list of them."""
-    for timer in getattr(timers, "_timers", {}).values():
+    for timer in getattr(get_timers(), "_timers", {}).values():
         if getattr(timer, "_started", False):
             timer.reset()
+    machine = get_rerun_state_machine()
+    machine.state = RerunState.NOT_RUNNING_YET
+    machine.current_iteration = iteration  # as train() sets it from args.iteration
 
 
 def _rank() -> int:
@@ -226,12 +263,34 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class MegatronLoop:
-    """What the patched loop calls; holds the LoopState the hooks read."""
+@dataclass
+class Accumulated:
+    """What the running iteration's micro-batches left besides their gradients: Megatron's
+    per-micro-batch loss outputs (last pipeline stage) and the token count the reduction
+    takes. A replica that keeps its gradients after a failure hands them to Megatron in
+    place of a forward_backward_func it does not run, so the loss all-reduce and the
+    reduction see what a failure-free iteration gives them."""
 
-    def __init__(self, hooks: Sequence[TrainingHooks], state: LoopState, config: Any) -> None:
+    iteration: int = -1
+    losses: list[Any] = field(default_factory=list)
+    num_tokens: Any = None
+
+    def reset(self, iteration: int) -> None:
+        self.iteration, self.losses, self.num_tokens = iteration, [], None
+
+
+class MegatronLoop:
+    """What the patched loop calls; holds the LoopState the hooks read. `work`: the
+    replay's, per iteration (hot-swap); `accumulated` lives as long as the worker."""
+
+    def __init__(self, hooks: Sequence[TrainingHooks], state: LoopState, config: Any,
+                 work: dict[int, Any] | None = None,
+                 accumulated: Accumulated | None = None) -> None:
         self.hooks = HookChain(list(hooks))
         self.state = state
+        self.work = work or {}
+        self.accumulated = accumulated if accumulated is not None else Accumulated()
+        self._current: Any = None  # the running iteration's MicrobatchWork, if any
         self._forwards = 0  # forward steps of the running iteration
         self._config = config
         self._finalize: Callable | None = getattr(config, "finalize_model_grads_func", None)
@@ -244,6 +303,12 @@ class MegatronLoop:
         """Called by the patched train(), before its while loop (each entry, run_train)."""
         from deadpool_megatron.integration.model import TrainingObjects
 
+        session = getattr(args, "deadpool_session", None)
+        if session is not None:  # hot-swap: the worker's state, this generation's hooks
+            loop = cls([*session.hooks(), *extra_hooks], session.member.state, config,
+                       session.work, session.accumulated)
+            loop.hooks.on_train_start(loop.state)
+            return loop
         hooks = getattr(args, "deadpool_hooks", None)
         if hooks is None:  # the first entry; a re-entry (run_train) keeps them
             try:
@@ -269,17 +334,26 @@ class MegatronLoop:
         self._finalize = original
 
         @functools.wraps(original)
-        def finalize(*args: Any, **kwargs: Any) -> Any:
+        def finalize(model: Any, num_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self.accumulated.num_tokens = num_tokens
             self.hooks.before_grad_reduction(self.state)
             self.hooks.on_phase("reduction", self.state)
-            return original(*args, **kwargs)
+            return original(model, num_tokens, *args, **kwargs)
 
         finalize.deadpool_original = original  # type: ignore[attr-defined]
         config.finalize_model_grads_func = finalize
 
-    def forward_step(self, forward_step_func: Callable) -> Callable:
-        """Megatron's forward_step_func with the micro-batch phases around it (the schedule
-        reads its signature: functools.wraps keeps it visible)."""
+    def _keeps(self) -> bool:
+        """The running iteration keeps the gradients accumulated before a failure and
+        computes nothing (a replica that lost no rank)."""
+        work = self._current
+        return work is not None and work.keep_grads and work.microbatches == ()
+
+    def step_functions(self, forward_step_func: Callable,
+                       forward_backward_func: Callable) -> tuple[Callable, Callable]:
+        """train_step()'s forward step with the micro-batch phases around it (the schedule
+        reads its signature: functools.wraps keeps it visible), and its forward_backward_func,
+        which an iteration that keeps its gradients does not run."""
 
         @functools.wraps(forward_step_func)
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -290,9 +364,43 @@ class MegatronLoop:
             output = result[0] if isinstance(result, tuple) else result
             if first and getattr(output, "requires_grad", False):
                 output.register_hook(self._backward_started)
+            if isinstance(result, tuple) and len(result) == 2 and callable(result[1]):
+                return output, self._recorded(result[1])
             return result
 
-        return step
+        @functools.wraps(forward_backward_func)
+        def forward_backward(*args: Any, **kwargs: Any) -> Any:
+            if not self._keeps():
+                return forward_backward_func(*args, **kwargs)
+            model = kwargs["model"]
+            self._config.finalize_model_grads_func(
+                model if isinstance(model, list) else [model], self.accumulated.num_tokens,
+                pg_collection=kwargs.get("pg_collection"),
+                force_all_reduce=kwargs.get("force_all_reduce", False))
+            return list(self.accumulated.losses)
+
+        return step, forward_backward
+
+    def _recorded(self, loss_func: Callable) -> Callable:
+        """The micro-batch's loss function, its reported values kept (Accumulated)."""
+
+        @functools.wraps(loss_func)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            outputs = loss_func(*args, **kwargs)
+            reported = outputs[-1] if isinstance(outputs, tuple) else None
+            if isinstance(reported, dict):
+                self.accumulated.losses.append(
+                    {k: v.detach().clone() if hasattr(v, "detach") else v
+                     for k, v in reported.items()})
+            return outputs
+
+        return recorded
+
+    def zero_grad_buffer(self, chunk: Any) -> None:
+        """train_step()'s zeroing of a model chunk's gradient buffer, skipped in an
+        iteration that keeps its gradients."""
+        if not self._keeps():
+            chunk.zero_grad_buffer()
 
     def _backward_started(self, grad: Any) -> None:
         self.hooks.on_phase("backward", self.state)
@@ -300,7 +408,10 @@ class MegatronLoop:
     def iteration_start(self, iteration: int, consumed_samples: int) -> None:
         self.state.iteration, self.state.consumed_samples = iteration, consumed_samples
         self._forwards = 0
-        self.state.microbatch_losses.clear()
+        self._current = self.work.get(iteration + 1)
+        if not self._keeps():
+            self.accumulated.reset(iteration + 1)
+            self.state.microbatch_losses.clear()
         self.hooks.on_iteration_start(self.state)
 
     def before_optimizer_step(self) -> None:

@@ -1,30 +1,26 @@
-"""Hot-swap in Megatron-LM's own loop: Megatron's whole `pretrain()` entered again in each
-generation, by every member (the survivors and the spare that took a rank).
+"""Hot-swap in Megatron-LM's own loop: Megatron's `pretrain()` as a `TrainingLoop` of the
+one generation loop (training/driver.py), on the same fast path as our own loop.
 
-Megatron-LM's own in-process restart does the same: `maybe_wrap_for_inprocess_restart`
-(megatron/training/inprocess_restart.py) wraps `pretrain`, and between two calls
-`destroy_state()` drops Megatron's global state. The patched wrapper returns `HotSwapPretrain`
-instead under deadpool-launch with `--deadpool`. For each generation g it
+The patched `maybe_wrap_for_inprocess_restart` (megatron/training/inprocess_restart.py)
+returns `HotSwapPretrain` under deadpool-launch with `--deadpool`: the user's script calls
+it as it would call `pretrain`. The worker's training thread runs Megatron's `pretrain()`
+once for its whole life:
 
-1. meets g's members in the control plane (a spare first waits for a rank) and calls
-   Megatron's `pretrain(..., store=<g's store>)` in a thread of its own
-   (training/elastic.GenerationThread): Megatron makes the default and model-parallel groups,
-   builds the model, optimizer and data iterators, all as at a job's start;
-2. at `MegatronLoop.start` of a generation after the first (`_Recovery`, the first hook):
-   the snapshot engine takes the new objects and makes g's snapshot pairs, every rank agrees
-   on the plan (replay/plan.py) and restores snapshot T (survivors from their own copy, the
-   spare from its buddy, which then gets its ward copy back), and Megatron's train() is left
-   and entered again at T (`ReenterTrain`, integration/megatron_lm.run_train), which rebuilds
-   the data iterators at T's consumed samples. Every rank recomputes whole iterations from T;
-3. on a declaration (a peer died) the thread is stopped and cut loose
-   (reconstruct/recovery.leave), Megatron's `destroy_state()` runs, and generation g+1
-   begins with Megatron's arguments as parsed at the start. A rank's own error makes it
-   leave the job, and a spare replaces it.
+- the generation's groups are made by the main thread, with Megatron's own
+  initialisation (`_initialize_distributed`, so every group is named as Megatron names it),
+  before `pretrain()` runs; `pretrain()` then finds them made and builds the model,
+  optimizer, scheduler and data iterators as usual: every rank together at the job's start,
+  or a spare alone, in a local world at the failed rank's coordinates;
+- the patched `pretrain()` calls `train()` through `run_train` (integration/megatron_lm.py),
+  where the thread parks between generations (`MegatronSession`): a survivor keeps every
+  object, its groups are swapped by the rebind, and `train()` is entered again at the
+  restored iteration; a rank's data iterator is rebuilt at the restored position only where
+  it recomputes (locally: the dataset is kept); an intact replica keeps its gradients and
+  computes nothing in the interrupted iteration; the others recompute their micro-batches
+  through Megatron's own forward_backward_func.
 
-The hooks (snapshot engine, injector, ledger) live in the `HotSwapPretrain` object across
-generations and are handed to each generation's Megatron arguments (`args.deadpool_hooks`).
-A recovery costs more than in our own loop, which keeps its objects: here every member
-rebuilds them (Megatron's initialisation, model, optimizer, data iterators).
+Megatron's global state is set again only when every rank builds again (a failure before
+any snapshot existed): the thread then leaves `pretrain()` and runs it from the top.
 """
 
 from __future__ import annotations
@@ -32,18 +28,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
+import inspect
 import logging
 import os
 import sys
-import threading
-import time
-import traceback
+from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
-from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
-from deadpool_megatron.control.progress import StartUp
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.reconstruct.rebind import NotWalked
 
 log = logging.getLogger("deadpool_megatron.megatron_lm")
 
@@ -67,9 +60,13 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
                                  "(drop --num-layers-per-virtual-pipeline-stage)")
     if getattr(args, "exit_signal_handler", False) or \
             getattr(args, "exit_signal_handler_for_training", False):
-        raise HotSwapUnsupported("hot-swap sets Megatron's globals again in each generation's "
-                                 "thread, where no signal handler can be installed: drop "
+        raise HotSwapUnsupported("hot-swap runs Megatron's pretrain() in a thread of its own, "
+                                 "where no signal handler can be installed: drop "
                                  "--exit-signal-handler (deadpool-launch handles SIGTERM)")
+    if getattr(args, "deadpool_replay", "local") != "local":
+        raise HotSwapUnsupported("--deadpool-replay spread is not supported in Megatron's own "
+                                 "loop yet (its schedules take one micro-batch count per "
+                                 "iteration): drop it (the default, local, is bit-exact)")
     from deadpool_megatron.control.client import ControlClient
 
     ctl = ControlClient.from_env()  # joins the control plane now, before any group
@@ -77,7 +74,7 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
 
 
 def inherited_thread_context(backend: str) -> Callable[[], ContextManager]:
-    """What a generation's thread enters: the process's device (CUDA's current device is per
+    """What the training thread enters: the process's device (CUDA's current device is per
     thread) and the torch function modes active here (per thread too; the CPU rehearsal's
     is one of them)."""
     from torch.overrides import _get_current_function_mode_stack
@@ -98,7 +95,7 @@ def inherited_thread_context(backend: str) -> Callable[[], ContextManager]:
 
 
 class HotSwapPretrain:
-    """Megatron's `pretrain`, entered once per generation (see the module docstring)."""
+    """Megatron's `pretrain`, run by a worker of the generation loop (module docstring)."""
 
     def __init__(self, pretrain: Callable, ctl: Any) -> None:
         import faulthandler
@@ -107,167 +104,171 @@ class HotSwapPretrain:
         self.pretrain, self.ctl = pretrain, ctl
         # `kill -USR1 <pid>` prints every thread's stack, as for our own pretrain_gpt.py.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-        self.member: Any = None
-        self.recovery: _Recovery | None = None
-        self._pristine: argparse.Namespace | None = None
-        self._fresh_globals = True  # Megatron's globals as the script set them, unused
-        self._startup: dict[str, Any] = {}
-        self.progress: Any = None  # control/progress.ProgressBoard, which the launcher reads
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import megatron.training.training as training
         from megatron.training import get_args
 
-        from deadpool_megatron.control.client import JobShutdown
+        from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
+        from deadpool_megatron.training.driver import run_worker
+        from deadpool_megatron.training.elastic import new_worker_member
 
         margs = get_args()
-        self._pristine = copy.deepcopy(margs)  # each later generation starts from these
-        # pretrain() records its start-up times in a module dict that destroy_state() keeps,
-        # and all-reduces them only once set: every member's pretrain() must see the
-        # script's values (a survivor's would otherwise run one all-reduce more than the
-        # spare's, and both wait for ever).
-        self._startup = dict(training._STARTUP_TIMESTAMPS)
-        self.progress = _progress_board(margs)
-        try:
-            if self.ctl.is_spare:
-                log.info("spare %s ready (imports done); waiting for an assignment",
-                         self.ctl.worker)
-                generation, rank = self.ctl.wait_for_assignment()
-            else:
-                generation, rank = 0, int(os.environ["RANK"])
-        except JobShutdown as end:
-            log.info("spare %s released: %s", self.ctl.worker, end)
-            return None
-        self.member = self._member(margs, rank, generation)
-        self.recovery = _Recovery(self.member, time.perf_counter())
-        return self._generations(args, kwargs)
-
-    def _member(self, margs: argparse.Namespace, rank: int, generation: int) -> Any:
-        from deadpool_megatron.integration.device import ProcessDevice
-        from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
-        from deadpool_megatron.metrics.events import EventLog
-        from deadpool_megatron.reconstruct.recovery import Member
-        from deadpool_megatron.replay.ledger import MicrobatchLedger
-        from deadpool_megatron.snapshot.engine import SnapshotEngine
-        from deadpool_megatron.topology import ParallelSizes
-        from deadpool_megatron.training.elastic import member_injector
-
         cfg, ft = train_config(margs), deadpool_config(margs)
         world = int(os.environ["WORLD_SIZE"])
         ft.validate(world)
-        events = EventLog(ft.deadpool_events, rank)
-        sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
-                                         cfg.pipeline_model_parallel_size)
-        injector = member_injector(ft, self.ctl, rank, sizes, world, events)
+        progress = _progress_board(ft.deadpool_progress_timeout)
+        loop = MegatronLmLoop(self.pretrain, args, kwargs, margs)
+        from deadpool_megatron.integration.device import ProcessDevice
+
         device = ProcessDevice.choose(cfg.distributed_backend)
-        return Member(cfg=cfg, ft=ft, ctl=self.ctl, rank=rank, world=world,
-                      cpu_rehearsal=cfg.distributed_backend == "gloo", events=events,
-                      engine=SnapshotEngine(cfg, ft, injector, events, device),
-                      ledger=MicrobatchLedger(), injector=injector, dataset=None,
-                      generation=generation, progress=self.progress, device=device)
 
-    # -- the generations ----------------------------------------------------------------------
-    def _generations(self, args: tuple, kwargs: dict) -> Any:
-        from deadpool_megatron.control.client import JobShutdown, NotAMember
-        from deadpool_megatron.control.failures import caused_by_a_peer
-        from deadpool_megatron.control.policy import RecoveryImpossible
-        from deadpool_megatron.metrics.errors import without_frames
-        from deadpool_megatron.reconstruct.recovery import CannotContinue
-        from deadpool_megatron.training.elastic import GenerationThread, leave_job
+        def new_member(rank: int, generation: int) -> Any:
+            # Megatron's --load reads only Megatron's checkpoints: a flush writes nothing,
+            # and the job restarts from its --save.
+            return new_worker_member(cfg, ft, self.ctl, rank, generation, world,
+                                     cfg.distributed_backend == "gloo", progress, device,
+                                     flushes_snapshots=False)
 
-        member = self.member
-        context = inherited_thread_context(member.cfg.distributed_backend)
-        generation = member.generation
-        while True:
-            result: dict[str, Any] = {}
-            training = GenerationThread(
-                lambda stops: result.update(value=self._pretrain(stops, args, kwargs)),
-                context)
-            declared = threading.Event()
-            try:
-                generation = self._join(generation, declared)
-                if generation is None:  # a newer one was declared while forming
-                    generation = self._leave_or_exit(None)
-                    continue
-                training.run(declared)
-                self.ctl.unwatch()
-                self.ctl.mark_done()
-                return result.get("value")
-            except JobShutdown as end:
-                log.error("rank %d: job ended by the launcher: %s", member.rank, end)
-                _exit(1)
-            except (RecoveryImpossible, CannotContinue, NotAMember) as err:
-                _exit(leave_job(member, err))
-            except Exception as err:  # noqa: BLE001 - a peer's failure, or this rank's own
-                self.ctl.unwatch()
-                if not declared.is_set() and not caused_by_a_peer(err):
-                    _exit(leave_job(member, err, training.error_text))
-                broken = without_frames(err)
-            log.warning("rank %d: generation %d broken (%s); Megatron's pretrain() will be "
-                        "entered again", member.rank, member.generation,
-                        str(broken).splitlines()[0][:160] if str(broken) else type(broken))
-            generation = self._leave_or_exit(training)
+        rc = run_worker(self.ctl, new_member, loop,
+                        inherited_thread_context(cfg.distributed_backend))
+        if rc != 0:
+            _exit(rc)
+        return loop.result
 
-    def _join(self, generation: int, declared: threading.Event) -> int | None:
-        """Meet `generation`'s members (the store barrier); its groups are Megatron's to
-        make, on the generation's own store. None if a newer one was declared meanwhile."""
-        from deadpool_megatron.reconstruct.groups import GenerationStore, socket_inodes
 
-        member, ctl = self.member, self.ctl
-        if member.sockets_before is None:  # the first generation this worker joins
-            member.sockets_before = socket_inodes()
-        member.generation = generation
-        store = GenerationStore(ctl, generation)
-        member.gen_store = store
-        # A newer declaration ends the generation: the training thread's waits on this
-        # generation's store (Megatron making its groups) fail once the main thread cuts it.
-        ctl.watch(generation, lambda newer: declared.set())
-        if not ctl.rendezvous(generation, member.world, member.rank, waiter=store.control):
-            return None
-        member.stamp("recovery")  # in `generation` now (the hang analysis compares them)
-        ctl.prepare_connection()  # the next generation's, in the background
-        return generation
+class MegatronLmLoop:
+    """Megatron's `pretrain()` as a `TrainingLoop` (training/driver.py)."""
 
-    def _pretrain(self, stops: TrainingHooks, args: tuple, kwargs: dict) -> Any:
-        """The training thread's body: Megatron's arguments for this generation, with its
-        rank and the hooks, then Megatron's own pretrain() on the generation's store."""
+    def __init__(self, pretrain: Callable, args: tuple, kwargs: dict,
+                 margs: argparse.Namespace) -> None:
         import megatron.training.training as training
-        from megatron.training import get_args
-        from megatron.training.global_vars import set_global_variables
 
-        member = self.member
-        if self._fresh_globals:
-            margs = get_args()
-            self._fresh_globals = False
-        else:
-            margs = copy.deepcopy(self._pristine)
-            set_global_variables(margs)
+        self.pretrain, self.args, self.kwargs = pretrain, args, kwargs
+        self.pristine = copy.deepcopy(margs)  # Megatron's arguments as the script parsed them
+        # pretrain() records its start-up times in a module dict and all-reduces them once
+        # set: every build must see the script's values, or ranks run unequal collectives.
+        self.startup = dict(training._STARTUP_TIMESTAMPS)
+        self.fresh_globals = True  # Megatron's globals as the script set them, unused
+        self.result: Any = None
+
+    def make_groups(self, timeout: timedelta) -> None:
+        """Megatron's own model-parallel initialisation, over the default group just made
+        (it finds the default group there and makes only Megatron's groups)."""
+        from megatron.training import get_args
+        from megatron.training.initialize import _initialize_distributed
+
+        margs = get_args()
+        saved = margs.distributed_timeout_minutes
+        margs.distributed_timeout_minutes = timeout.total_seconds() / 60
+        try:
+            with _one_device_if_cpu(margs):
+                _initialize_distributed(self.kwargs.get("get_embedding_ranks"),
+                                        self.kwargs.get("get_position_embedding_ranks"),
+                                        store=None)
+        finally:
+            margs.distributed_timeout_minutes = saved
+
+    def prepare_spare(self) -> None:
+        """The script imported Megatron and parsed its arguments already."""
+
+    def body(self, member: Any, thread: Any) -> None:
+        """The training thread: Megatron's pretrain(), whose run_train parks the thread
+        between generations (MegatronSession)."""
+        import megatron.training.training as training
+
+        from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
+        from deadpool_megatron.control.progress import StartUp
+
+        margs = self._arguments()
         training._STARTUP_TIMESTAMPS.clear()
-        training._STARTUP_TIMESTAMPS.update(self._startup)
+        training._STARTUP_TIMESTAMPS.update(self.startup)
         os.environ["RANK"] = str(member.rank)
         margs.rank = member.rank
+        if thread.spare:  # its state comes from its buddy: no checkpoint to read alone
+            margs.load = None
         startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
-        margs.deadpool_hooks = self._hooks(stops, margs, startup)
+        margs.deadpool_session = MegatronSession(member, thread, startup)
         try:
-            return self.pretrain(*args, **{**kwargs, "store": member.gen_store.store})
+            self.result = self.pretrain(*self.args, **{**self.kwargs, "store": None})
         finally:
             startup.close()
             if member.progress is not None:  # a later thread may reuse this one's id
                 member.progress.training_thread = None
 
-    def _hooks(self, stops: TrainingHooks, margs: argparse.Namespace,
-               startup: TrainingHooks) -> list[TrainingHooks]:
-        """The order matters at on_train_start: the recovery restores before the snapshot
-        engine takes its first snapshot of the generation. The progress stamps come first,
-        as in our own loop (training/elastic._train)."""
-        from deadpool_megatron.training.elastic import IterationEvents
+    def _arguments(self) -> argparse.Namespace:
+        """The script's arguments, the first time; after that (every rank builds again),
+        Megatron's globals set again from a copy of them (its groups stay: this
+        generation's)."""
+        from megatron.training import get_args
+
+        if self.fresh_globals:
+            self.fresh_globals = False
+            return get_args()
+        from megatron.core.num_microbatches_calculator import (
+            destroy_num_microbatches_calculator,
+        )
+        from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+        from megatron.core.utils import destroy_global_memory_buffer
+        from megatron.training.global_vars import destroy_global_vars, set_global_variables
+
+        destroy_global_vars()
+        destroy_num_microbatches_calculator()
+        destroy_global_memory_buffer()
+        destroy_rerun_state_machine()
+        margs = copy.deepcopy(self.pristine)
+        set_global_variables(margs)
+        return margs
+
+
+class MegatronSession(NotWalked):
+    """What the patched pretrain()'s `run_train` and `MegatronLoop.start` reach under
+    hot-swap (`args.deadpool_session`): the member, its training thread, the replay's
+    work, and the running iteration's micro-batch outputs (kept with its gradients)."""
+
+    def __init__(self, member: Any, thread: Any, startup: Any) -> None:
+        from deadpool_megatron.integration.megatron_lm import Accumulated
+
+        self.member, self.thread, self.startup = member, thread, startup
+        self.work: dict = {}
+        self.accumulated = Accumulated()
+
+    def run_train(self, train: Callable, call: inspect.BoundArguments) -> Any:
+        """Report the objects built and park; then train generation after generation."""
+        from megatron.training import get_args
+
+        from deadpool_megatron.integration.megatron_lm import (enter_train, left_train,
+                                                               megatron_objects,
+                                                               train_iterator_at)
+
+        margs = get_args()
+        state = LoopState(iteration=int(margs.iteration),
+                          consumed_samples=int(margs.consumed_train_samples),
+                          objects=megatron_objects(call.arguments))
+        self.startup.close()
+        work = self.thread.built(state)
+
+        def train_once(work: dict) -> Any:
+            self.work = work
+            state = self.member.state
+            margs.iteration = margs.curr_iteration = state.iteration
+            margs.consumed_train_samples = state.consumed_samples
+            first = work.get(state.iteration + 1)
+            if first is not None and not (first.keep_grads and first.microbatches == ()):
+                # This rank recomputes: its iterator goes back to the restored position.
+                call.arguments["train_data_iterator"] = train_iterator_at(
+                    call.arguments["train_data_iterator"], state.consumed_samples)
+            left_train(state.iteration)
+            return enter_train(train, call)
+
+        return self.thread.generations(train_once, work)
+
+    def hooks(self) -> list[TrainingHooks]:
+        """This generation's hooks (training/driver.generation_hooks), and in generation 0
+        the restore rehearsal of --deadpool-verify-restore-at."""
+        from deadpool_megatron.training.driver import generation_hooks
 
         member = self.member
-        hooks: list[TrainingHooks] = [member.ledger, self.recovery, stops,
-                                      member.injector.hooks(), member.engine,
-                                      IterationEvents(member, None)]
-        if member.progress is not None:
-            hooks[:0] = [member.progress.hooks(), startup]
+        hooks = generation_hooks(member, self.thread.stops, self.work)
         ft = member.ft
         if ft.deadpool_verify_restore_at is not None and member.generation == 0:
             from deadpool_megatron.integration.megatron_lm import RewindRehearsal
@@ -276,149 +277,32 @@ class HotSwapPretrain:
                                          member.cfg.use_distributed_optimizer))
         return hooks
 
-    def _leave_or_exit(self, training: Any) -> int:
-        """Leave the broken generation; a rank that cannot take part leaves the job."""
-        from deadpool_megatron.control.client import JobShutdown, NotAMember
-        from deadpool_megatron.control.policy import RecoveryImpossible
-        from deadpool_megatron.reconstruct.recovery import CannotContinue
-        from deadpool_megatron.training.elastic import leave_job
 
-        try:
-            return self._leave(training)
-        except (JobShutdown, TimeoutError) as err:
-            log.error("rank %d: no recovery: %s", self.member.rank, err)
-            _exit(1)
-        except (RecoveryImpossible, CannotContinue, NotAMember) as err:
-            _exit(leave_job(self.member, err))
-        except Exception as err:  # noqa: BLE001 - this rank's own, while leaving
-            _exit(leave_job(self.member, err, traceback.format_exc()))
-        raise AssertionError("unreachable")
+@contextlib.contextmanager
+def _one_device_if_cpu(margs: argparse.Namespace) -> Any:
+    """Megatron makes its groups only where it sees a CUDA device; the CPU rehearsal
+    (rehearsal/megatron_lm.py) tells it there is one, there."""
+    import torch
 
-    def _leave(self, training: Any) -> int:
-        """Stop the generation's thread, cut its connections, drop its groups and
-        Megatron's global state; the generation to join next."""
-        from megatron.training.inprocess_restart import destroy_state
+    if torch.cuda.is_available() or margs.distributed_backend != "gloo":
+        yield
+        return
+    from deadpool_megatron.rehearsal.megatron_lm import one_cuda_device
 
-        from deadpool_megatron.reconstruct.recovery import leave
-
-        member = self.member
-        self.recovery.note_leaving(member)
-        if member.gen_store is not None:
-            member.gen_store.cut()  # a thread waiting in Megatron's group set-up
-        generation = leave(member, training, keep_intact_replicas=False)
-        _flush_refused(member, generation)
-        destroy_state()
-        self._fresh_globals = False  # the next generation sets them from the parsed copy
-        member.state = None
-        gc.collect()  # the old generation's model and optimizer go before the new ones
-        return generation
+    with one_cuda_device():
+        yield
 
 
-class _Recovery(TrainingHooks):
-    """The first hook of each generation's chain. At `on_train_start` of a generation after
-    the first (once per generation: train() entered again finds it done), it brings the
-    objects Megatron just built to the agreed snapshot and has train() entered again there.
-    t0: when this rank began its way into the generation (it began leaving the broken one,
-    or, a spare, it was given a rank)."""
-
-    def __init__(self, member: Any, t0: float) -> None:
-        self.member, self.t0 = member, t0
-        self.recovered = -1  # the last generation whose start was handled
-        self.reached = -1  # the last iteration this rank worked on, before the failure
-
-    def note_leaving(self, member: Any) -> None:
-        self.t0 = time.perf_counter()
-        if member.state is not None:
-            self.reached = max(self.reached, member.ledger.reached(member.state))
-
-    def on_train_start(self, state: LoopState) -> None:
-        member = self.member
-        member.state = state
-        if self.recovered == member.generation:
-            return
-        self.recovered = member.generation
-        if member.start_iteration is None:
-            member.start_iteration = state.iteration
-        if member.generation == 0:
-            return
-        self._recover(state)
-
-    def _recover(self, state: LoopState) -> None:
-        from deadpool_megatron.integration.megatron_lm import ReenterTrain
-        from deadpool_megatron.reconstruct.recovery import agree, restore_to
-        from deadpool_megatron.replay.plan import FRESH_START, SPARE_REPORT, RankReport
-
-        member = self.member
-        t_groups = time.perf_counter()
-        member.injector.fire("recovery", member.generation)
-        member.stamp("recovery")
-        member.engine.attach(state.objects, prefault=not member.ctl.is_spare)
-        member.engine.connect()
-        if member.ctl.is_spare and self.reached < 0:
-            report = SPARE_REPORT
-        else:  # Megatron rebuilt the live objects: only snapshots count
-            own, ward = member.engine.held()
-            report = RankReport(tuple(own), tuple(ward), None, False, self.reached,
-                                at_start=not own and self.reached <= (member.start_iteration or 0))
-        plan, sizes = agree(member, report)
-        member.stamp("recovery")
-        if plan.target != FRESH_START:
-            restore_to(member, plan, sizes)
-            member.stamp("recovery")
-        self._emit(plan, t_groups)
-        if plan.target == FRESH_START:
-            return  # Megatron's fresh build is the job's start: train() goes on from it
-        restored = {"iteration": state.iteration, "consumed_samples": state.consumed_samples}
-        raise ReenterTrain(lambda objects: restored,
-                           f"recovery: generation {member.generation} restored snapshot "
-                           f"{plan.target}")
-
-    def _emit(self, plan: Any, t_groups: float) -> None:
-        from deadpool_megatron.replay.plan import FRESH_START
-
-        member, rank = self.member, self.member.rank
-        how = plan.restore[rank]
-        member.events.emit(
-            "recovered", generation=member.generation, restored=plan.target, how=how,
-            from_buddy=how == "buddy", groups_s=t_groups - self.t0,
-            total_s=time.perf_counter() - self.t0, references_rebound=0,
-            last_iteration=plan.last_iteration,
-            microbatches_recomputed=plan.recomputed(rank),
-            whole_iteration_replay=plan.whole_iteration_replay(), checkpoint_restart=0,
-            kept_grads=False, kept_objects=False, pretrain_reentered=True)
-        if rank == 0:
-            what = "the job's start" if plan.target == FRESH_START else \
-                f"snapshot {plan.target} ({plan.restore.count('buddy')} ranks from a buddy)"
-            log.info("recovery: generation %d formed in Megatron's pretrain() (%.0f ms); "
-                     "%s; iterations %d..%d recomputed whole", member.generation,
-                     1e3 * (t_groups - self.t0), what, plan.target + 1, plan.last_iteration)
-
-
-def _progress_board(margs: argparse.Namespace) -> Any:
+def _progress_board(timeout_s: float | None) -> Any:
     """What this worker's launcher reads of its progress (control/progress.py), with its
     monitor running, as in our own pretrain_gpt.py (training/main._run_elastic); None
     outside deadpool-launch."""
     from deadpool_megatron.control.progress import ProgressBoard
-    from deadpool_megatron.integration.megatron_lm import deadpool_config
 
-    board = ProgressBoard.from_env(deadpool_config(margs).deadpool_progress_timeout)
+    board = ProgressBoard.from_env(timeout_s)
     if board is not None:
         board.start_monitor()
     return board
-
-
-def _flush_refused(member: Any, generation: int) -> None:
-    """Host 0 declared a flush (hot-swap impossible): Megatron's loop restarts from its own
-    --save checkpoints, which our shards are not, so this rank writes nothing and leaves."""
-    request = member.ctl.flush_of(generation)
-    if request is None:
-        return
-    member.ctl.report_flushed({"rank": member.rank, "written": {}})
-    member.events.emit("flushed", generation=generation, reason=request["reason"],
-                       written={})
-    log.warning("rank %d: hot-swap impossible (%s); leaving for a restart from Megatron's "
-                "--save", member.rank, request["reason"])
-    _exit(0)
 
 
 def _exit(code: int) -> None:

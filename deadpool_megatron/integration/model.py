@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,9 @@ class TrainingObjects:
     optimizer: Any
     scheduler: Any
     config: Any  # TransformerConfig
+    # Whatever else the loop keeps across a recovery that may hold a group (Megatron-LM's
+    # train() arguments): the rebind walks it too.
+    held: list[Any] = field(default_factory=list)
 
 
 def build_training_objects(cfg: TrainConfig, cpu_rehearsal: bool,

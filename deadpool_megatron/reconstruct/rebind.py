@@ -23,8 +23,17 @@ from torch.distributed import distributed_c10d as c10d
 
 GroupKey = tuple[str, tuple[int, ...], int]  # (description, global ranks, ordinal)
 
+
+
+class NotWalked:
+    """Bookkeeping that a kept object may reach (Megatron's arguments hold the hot-swap
+    session, and through it the member) but that holds no group of the training: the walk
+    never enters it. Walked, the member's own record of the old groups would be swapped
+    too, and the audit would compare against the new ones."""
+
+
 # Never walked into: nothing of ours or Megatron's keeps a group inside these.
-_OPAQUE = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType, types.FrameType,
+_OPAQUE = (NotWalked, type, types.ModuleType, types.BuiltinFunctionType, types.CodeType, types.FrameType,
            str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype,
            torch.device, torch.Size, memoryview, range, logging.Logger, logging.Handler,
            logging.Manager, logging.PlaceHolder)

@@ -43,7 +43,8 @@ from deadpool_megatron.metrics.memory import PeakRss
 from deadpool_megatron.reconstruct.abort import GenerationCut
 from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
                                                   open_connections, socket_inodes)
-from deadpool_megatron.reconstruct.rebind import (GroupKey, group_mapping, group_registry,
+from deadpool_megatron.reconstruct.rebind import (GroupKey, NotWalked, group_mapping,
+                                                  group_registry,
                                                   MegatronGlobals, rebind_groups,
                                                   stale_references)
 from deadpool_megatron.replay.ledger import MicrobatchLedger
@@ -85,7 +86,7 @@ class CannotContinue(RuntimeError):
 
 
 @dataclass
-class Member:
+class Member(NotWalked):
     """What one worker carries from generation to generation."""
 
     cfg: TrainConfig
@@ -120,6 +121,9 @@ class Member:
     # way: ours, or Megatron-LM's own initialisation); None: ours for `cfg`.
     make_groups: Callable[[timedelta], None] | None = None
     keeps_replicas: bool = True  # an intact replica keeps its gradients (recovery.leave)
+    # A flush writes this rank's snapshots to --save; off where the restart reads only the
+    # loop's own checkpoints (Megatron-LM's --load).
+    flushes_snapshots: bool = True
 
     def cut(self) -> GenerationCut:
         """How this generation is cut loose (its NCCL communicators, its connections)."""
@@ -614,7 +618,12 @@ def flush_if_asked(member: Member, generation: int) -> None:
     request = member.ctl.flush_of(generation)
     if request is None:
         return
-    written = flush_held(member, set(request["lost"]))
+    if member.flushes_snapshots:
+        written = flush_held(member, set(request["lost"]))
+    else:
+        written = {}
+        log.warning("rank %d: hot-swap impossible (%s); writing nothing: the restart reads "
+                    "the loop's own --save checkpoints", member.rank, request["reason"])
     member.ctl.report_flushed({"rank": member.rank, "written": written})
     member.events.emit("flushed", generation=generation, reason=request["reason"],
                        written=written)

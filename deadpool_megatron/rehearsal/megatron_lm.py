@@ -20,7 +20,7 @@ from deadpool_megatron.rehearsal.cuda_shim import _HostStream
 
 
 @contextlib.contextmanager
-def _one_cuda_device() -> Iterator[None]:
+def one_cuda_device() -> Iterator[None]:
     saved = torch.cuda.is_available, torch.cuda.device_count
     torch.cuda.is_available = lambda: True  # type: ignore[assignment]
     torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
@@ -77,7 +77,7 @@ class MegatronLmOnCpu:
 def _inside_one_device(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _one_cuda_device():
+        with one_cuda_device():
             return func(*args, **kwargs)
 
     return wrapper
