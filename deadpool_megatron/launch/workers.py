@@ -179,12 +179,7 @@ class LocalWorkers:
             rec = progress.read(os.path.join(self.progress_dir, worker))
             if rec is None or rec.counter == 0:
                 continue  # not started training yet (a waiting spare)
-            out[worker] = {"g": rec.generation, "c": rec.counter, "it": rec.iteration,
-                           "ph": rec.phase_name, "st": (now - rec.stamp_ns) / 1e9,
-                           "mon": (now - rec.monitor_ns) / 1e9 if rec.monitor_ns else 0.0,
-                           "wh": rec.where, "long": rec.long_until_ns > now,
-                           "to": rec.timeout_ns / 1e9, "itn": rec.iteration_ns / 1e9,
-                           "os": _os_state(proc.pid)}
+            out[worker] = worker_view(rec, now, _os_state(proc.pid))
         return out
 
     def alive(self) -> bool:
@@ -200,6 +195,15 @@ class LocalWorkers:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=10)
         shutil.rmtree(self.progress_dir, ignore_errors=True)
+
+
+def worker_view(rec: progress.Progress, now_ns: int, os_state: str) -> dict:
+    """One worker's entry in its host's report (control/hang.py's WorkerView, in short)."""
+    return {"g": rec.generation, "c": rec.counter, "it": rec.iteration,
+            "ph": rec.phase_name, "st": (now_ns - rec.stamp_ns) / 1e9,
+            "mon": (now_ns - rec.monitor_ns) / 1e9 if rec.monitor_ns else 0.0,
+            "wh": rec.where, "long": rec.long_until_ns > now_ns,
+            "to": rec.timeout_ns / 1e9, "itn": rec.iteration_ns / 1e9, "os": os_state}
 
 
 def _catches(pid: int, signum: int) -> bool:

@@ -1,0 +1,84 @@
+"""A simulated host's launcher: the requests launch/workers.py's LocalWorkers.poll and
+launch/launcher.py's host loop make, for workers that train nothing.
+
+Per poll (every TICK_S, and at once when a worker exits): an exit report per newly exited
+worker (the report, then the exits counter), the kill counter, the job's end (hosts but
+host 0); every REPORT_S the host's report, every live worker's progress in the format of
+LocalWorkers.views (workers.worker_view), which host 0's hang analysis reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from deadpool_megatron.control import keys, progress
+from deadpool_megatron.launch.workers import REPORT_S, spare_ids, worker_view
+from deadpool_megatron.scale.signed import SignedView
+from deadpool_megatron.scale.wire import Tally
+
+ITERATION_S = 1.0  # the simulated workers' iteration time (their progress stamps)
+
+
+@dataclass
+class SimHost:
+    node: int
+    workers: list[str]  # this host's worker ids (its ranks' first workers, then spares)
+    spares: list[str]
+    store: SignedView
+    tally: Tally = field(default_factory=Tally)
+    exited: dict[str, int] = field(default_factory=dict)  # worker -> return code
+    reported: set[str] = field(default_factory=set)
+    kills_seen: int = 0
+    seq: int = 0
+    next_report: float = 0.0
+    started_ns: int = field(default_factory=progress.now_ns)
+    polls: int = 0
+
+    @classmethod
+    def make(cls, node: int, ranks: range, spares: int, store: SignedView) -> "SimHost":
+        spare_list = spare_ids(node, spares)
+        return cls(node, [f"w{r}" for r in ranks] + spare_list, spare_list, store)
+
+    def register(self) -> None:
+        """LocalWorkers.start: the host's spares, for host 0's coordinator."""
+        self.store.set(keys.node_spares(self.node), json.dumps(self.spares), self.tally)
+
+    def exit(self, worker: str, returncode: int) -> None:
+        self.exited[worker] = returncode
+
+    async def poll(self, now: float, reporting: bool = True) -> None:
+        """LocalWorkers.poll, then the host loop's check of the job's end."""
+        self.polls += 1
+        for worker, rc in self.exited.items():
+            if worker not in self.reported:
+                self.reported.add(worker)
+                self.store.set(keys.exit_report(worker), str(rc), self.tally)
+                await self.store.add(keys.EXITS, 1, self.tally)
+        kills = await self.store.add(keys.KILLS, 0, self.tally)
+        if kills != self.kills_seen:
+            self.kills_seen = kills  # a kill request or an injection: none in this harness
+        if reporting and now >= self.next_report:
+            self.next_report = now + REPORT_S
+            self.seq += 1
+            self.store.set(keys.host_report(self.node),
+                           json.dumps({"seq": self.seq, "workers": self.views()}), self.tally)
+        await self.store.read(keys.SHUTDOWN, self.tally)
+
+    def views(self) -> dict[str, dict]:
+        """Every live worker training (spares not yet: a spare's record has no stamp):
+        progress stamped moments ago, iteration by the clock."""
+        now = progress.now_ns()
+        it = int((now - self.started_ns) / 1e9 / ITERATION_S)
+        out = {}
+        for worker in self.workers:
+            if worker in self.exited or worker in self.spares:
+                continue
+            rec = progress.Progress(
+                counter=1 + 12 * it, iteration=it, phase=progress.PHASES.index("forward"),
+                stamp_ns=now - 5_000_000, long_until_ns=0, monitor_ns=now - 20_000_000,
+                where=progress.RUNNING, iteration_ns=int(ITERATION_S * 1e9), timeout_ns=0,
+                pid=1, generation=0)
+            out[worker] = worker_view(rec, now, "S")
+        return out
+

@@ -1,0 +1,171 @@
+"""A simulated worker: the control-plane requests a worker under deadpool-launch makes
+(control/client.py's ControlClient, as reconstruct/recovery.py and training/elastic.py
+call it), with no training. One per rank and per spare, thousands per process.
+
+A worker's requests, in order (tests/test_scale_harness.py compares them with a real
+ControlClient's):
+- start: its main connection (VALIDATE, PING), the newest declaration, its watcher's
+  connection and wait, the connection of its first generation (opened ahead of need);
+- a member: generation 0's rendezvous; a spare: its assignment, rechecking the job's end
+  every SHUTDOWN_CHECK_S while it waits;
+- on a declaration: what the watcher reads; a survivor leaves (the flush and membership
+  checks, the replaced ranks), a spare finds its rank; both meet in the rendezvous, open
+  the next generation's connection and read the replaced ranks for the plan.
+
+What is simulated, not made: the connections a worker opens besides its watcher's are
+counted (two requests each) but not opened; a worker's watcher and its generation's
+connection are one connection here (`Waiter`), so the watcher's next wait is sent once
+the member has joined rather than at once (the same requests, later). The process groups
+are not made: their store requests are computed (scale/groups.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.client import FORGED_RECHECK_S, SHUTDOWN_CHECK_S
+from deadpool_megatron.scale.signed import SignedView
+from deadpool_megatron.scale.wire import Tally, Waiter
+
+# A connection's greeting (VALIDATE with the magic number, PING with a nonce): requests,
+# bytes sent, bytes received.
+GREETING = (2, 10, 4)
+
+
+@dataclass
+class Joined:
+    generation: int
+    at: float  # time.monotonic() once the rendezvous let it through
+    settled_at: float = 0.0  # ... once its recovery's control-plane requests were made
+
+
+@dataclass
+class SimMember:
+    worker: str
+    rank: int | None  # None: a spare not yet given a rank
+    world: int
+    store: SignedView  # the epoch's keys over a shared connection
+    waiter: Waiter  # a connection of its own, under the epoch's prefix
+    tally: Tally = field(default_factory=Tally)
+    generation: int = 0  # the generation it is a member of (or, for a spare, has seen)
+    alive: bool = True
+    joined: list[Joined] = field(default_factory=list)
+    on_joined: object = None  # callable(member, Joined), set by the process
+
+    # -- start -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """ControlClient.__init__, then generation 0 (a member) or the wait for a rank."""
+        self.tally.count(*GREETING)  # its main connection
+        seen = 0
+        while await self.store.check([keys.members(seen + 1)], self.tally) and \
+                await self.store.read(keys.members(seen + 1), self.tally) is not None:
+            seen += 1
+        self.generation = seen
+        self.tally.count(*GREETING)  # the connection of its next generation, prepared
+        if self.rank is None:
+            await self._wait_for_assignment()
+        else:
+            await self._rendezvous(self.generation)
+            self._settled()
+        await self._watch()
+
+    # -- the watcher and what a declaration sets off ----------------------------------------
+    async def _watch(self) -> None:
+        """Block on the next generation's membership; on each declaration, act on it."""
+        while self.alive:
+            nxt = self.generation + 1
+            await self.waiter.wait([keys.members(nxt)], self.tally)
+            if not self.alive:
+                return
+            self.tally.phase = f"rec{nxt}"
+            if await self.store.read(keys.members(nxt), self.tally) is None:
+                await asyncio.sleep(FORGED_RECHECK_S)  # forged: not a declaration
+                continue
+            if self.rank is None:
+                await self._assignment(nxt)
+            else:
+                await self._recover(nxt)
+
+    async def _recover(self, generation: int) -> None:
+        """recovery.recover: leave (flush?, still a member?, who was replaced), the flush
+        check, then enter (rendezvous, next connection, the plan's replaced ranks)."""
+        await self.store.read(keys.flush(generation), self.tally)
+        members = await self._members(generation)
+        if members.get(self.rank) != self.worker:
+            self.alive = False  # declared lost: it leaves the job
+            return
+        for g in range(self.generation + 1, generation + 1):
+            await self._replaced(g)
+        await self.store.read(keys.flush(generation), self.tally)
+        await self._enter(generation)
+
+    async def _assignment(self, generation: int) -> None:
+        """A spare's wait_for_assignment, woken by a declaration."""
+        members = await self._members(generation)
+        self.generation = generation
+        rank = next((r for r, w in members.items() if w == self.worker), None)
+        if rank is not None:
+            self.rank = rank
+            await self._enter(generation)
+
+    async def _wait_for_assignment(self) -> None:
+        """Spares at start: the current membership, then (in `_watch`) each declaration;
+        meanwhile the job's end is checked every SHUTDOWN_CHECK_S (`_idle`)."""
+        members = await self._members(self.generation)
+        rank = next((r for r, w in members.items() if w == self.worker), None)
+        if rank is not None:
+            self.rank = rank
+            await self._rendezvous(self.generation)
+            self._settled()
+
+    async def idle(self) -> None:
+        """A waiting spare's main thread: is the job over? every SHUTDOWN_CHECK_S."""
+        while self.alive and self.rank is None:
+            await asyncio.sleep(SHUTDOWN_CHECK_S)
+            if self.alive and self.rank is None:
+                await self.store.read(keys.SHUTDOWN, self.tally)
+
+    async def _enter(self, generation: int) -> None:
+        await self._rendezvous(generation)
+        self.tally.count(*GREETING)  # prepare_connection: the next generation's
+        await self._replaced(generation)  # recovery.agree
+        self._settled()
+
+    def _settled(self) -> None:
+        """The generation's control-plane requests are made: tell the process."""
+        self.joined[-1].settled_at = time.monotonic()
+        self.tally.phase = "after"
+        if self.on_joined is not None:
+            self.on_joined(self, self.joined[-1])
+
+    # -- ControlClient's calls ------------------------------------------------------------
+    async def _members(self, generation: int) -> dict[int, str]:
+        value = await self.store.read(keys.members(generation), self.tally)
+        return {int(r): str(w) for r, w in json.loads(value).items()}
+
+    async def _replaced(self, generation: int) -> dict[int, str]:
+        if not await self.store.check([keys.replaced(generation)], self.tally):
+            return {}
+        value = await self.store.read(keys.replaced(generation), self.tally)
+        return {int(r): str(w) for r, w in json.loads(value).items()}
+
+    async def _rendezvous(self, generation: int) -> None:
+        """ControlClient.rendezvous on the generation's connection."""
+        members = await self._members(generation)
+        assert members.get(self.rank) == self.worker, (self.worker, self.rank)
+        if await self.store.add(keys.joined(generation), 1, self.tally) >= self.world:
+            self.store.set(keys.ready(generation), "1", self.tally)
+        while True:
+            if await self.waiter.wait([keys.ready(generation)], self.tally,
+                                      SHUTDOWN_CHECK_S):
+                on_waiter = self.store.on(self.waiter.conn)
+                if await on_waiter.read(keys.ready(generation), self.tally) is not None:
+                    break
+                await asyncio.sleep(FORGED_RECHECK_S)  # forged: the real one follows
+            await self.store.read(keys.SHUTDOWN, self.tally)
+        self.generation = generation
+        self.joined.append(Joined(generation, time.monotonic()))
