@@ -109,6 +109,10 @@ class SignedStore:
             return None
         return self._verified(key, self.store.get(key))
 
+    def read_set(self, key: str) -> bytes | None:
+        """`read` of a key known to be set (a wait on it returned): one get, no check."""
+        return self._verified(key, self.store.get(key))
+
     def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """`read` of keys that exist (one round trip)."""
         return [self._verified(k, v) for k, v in zip(keys, self.store.multi_get(list(keys)))]
@@ -136,6 +140,9 @@ class SignedStore:
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self.store.append(key, value.encode() if isinstance(value, str) else value)
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
         self.store.wait(list(keys), timeout)

@@ -1,8 +1,12 @@
 """The worker side of the control plane: generation watch, assignments, rendezvous.
 
 Declarations are pushed, not polled: a watcher thread blocks in the store's `wait` on the
-next generation's membership key and wakes the moment host 0 writes it (well under a
-millisecond here). A worker sends no heartbeat: its liveness is its process, which its
+next generation's declaration key and wakes the moment host 0 writes it (well under a
+millisecond here). A worker reads the declaration only (control/declaration.py: the ranks
+that changed hands, a few hundred bytes), never the world's whole membership, and keeps
+it: what it asks later of that generation (its members, the replaced ranks, whether it
+flushes) costs no request. So a recovery costs each worker the same few requests and bytes
+at 16,384 ranks as at 8 (tools/bench_scale.py). A worker sends no heartbeat: its liveness is its process, which its
 host's launcher watches, and its progress is a shared-memory record that launcher reads
 (control/progress.py), so neither depends on a thread of the worker getting the GIL. Every
 blocking call has a deadline and also watches for shutdown, so no worker waits forever on a
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, token_from_env
+from deadpool_megatron.control.declaration import Declaration, Membership
 from deadpool_megatron.control.sockets import sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
@@ -53,6 +58,7 @@ class ControlClient:
         self._preparing: threading.Thread | None = None
         self.store = self._connect()
         self._cond = threading.Condition()
+        self._declarations: dict[int, Declaration] = {}  # authenticated, by generation
         self._latest = self._newest_declared()  # newest declared generation
         self._watch_gen = -1
         self._on_new_generation: Callable[[int], None] | None = None
@@ -87,12 +93,19 @@ class ControlClient:
         return SignedStore(connection, self.token, keys.epoch_prefix(self.epoch))
 
     def _newest_declared(self) -> int:
-        """The newest generation whose membership carries the job token."""
+        """The newest generation whose declaration carries the job token."""
         generation = 0
-        while self.store.check([keys.members(generation + 1)]) and \
-                self.store.read(keys.members(generation + 1)) is not None:
+        while self.store.check([keys.declared(generation + 1)]):
+            value = self.store.read(keys.declared(generation + 1))
+            if value is None:
+                break
+            self._keep(Declaration.from_json(value))
             generation += 1
         return generation
+
+    def _keep(self, declaration: Declaration) -> None:
+        with self._cond:
+            self._declarations[declaration.generation] = declaration
 
     def _open(self) -> tuple[dist.Store, list[int]]:
         """A new connection to the launcher's store and its socket fds. Openings never
@@ -149,10 +162,12 @@ class ControlClient:
         seen = self._latest
         while not self._stop.is_set():
             try:
-                store.wait([keys.members(seen + 1)], timedelta(seconds=self.timeout_s))
-                if store.read(keys.members(seen + 1)) is None:  # forged: not a declaration
+                store.wait([keys.declared(seen + 1)], timedelta(seconds=self.timeout_s))
+                value = store.read_set(keys.declared(seen + 1))
+                if value is None:  # forged: not a declaration
                     self._stop.wait(FORGED_RECHECK_S)
                     continue
+                self._keep(Declaration.from_json(value))
             except dist.DistStoreError:
                 continue  # no declaration within the timeout: keep waiting
             except Exception:  # noqa: BLE001 - the launcher is gone
@@ -214,15 +229,28 @@ class ControlClient:
                                    f"job token after {self.timeout_s:.0f} s")
             time.sleep(FORGED_RECHECK_S)
 
-    def members(self, generation: int) -> dict[int, str]:
-        return _rank_map(self._authentic(keys.members(generation), absent_ok=False))
+    def declaration(self, generation: int) -> Declaration:
+        """Host 0's declaration of `generation` (kept: read from the store at most once)."""
+        with self._cond:
+            kept = self._declarations.get(generation)
+        if kept is not None:
+            return kept
+        declaration = Declaration.from_json(
+            self._authentic(keys.declared(generation), absent_ok=False))
+        self._keep(declaration)
+        return declaration
+
+    def members(self, generation: int) -> Membership:
+        """{rank: worker id} of `generation` (a lookup is O(1); nothing of size N read)."""
+        return self.declaration(generation).members()
 
     def replaced(self, generation: int) -> dict[int, str]:
-        value = self._authentic(keys.replaced(generation), absent_ok=True)
-        return {} if value is None else _rank_map(value)
+        return dict(self.declaration(generation).replaced)
 
     def flush_of(self, generation: int) -> dict | None:
         """Host 0's flush request, if `generation` is a flush: {"lost": [ranks], "reason"}."""
+        if not self.declaration(generation).flush:
+            return None
         value = self.store.read(keys.flush(generation))
         if value is None:
             return None
@@ -258,9 +286,9 @@ class ControlClient:
         """Spares: block until a generation gives this worker a rank; (generation, rank)."""
         generation = self._latest
         while True:
-            for rank, worker in self.members(generation).items():
-                if worker == self.worker:
-                    return generation, rank
+            rank = self.members(generation).rank_of(self.worker)
+            if rank is not None:
+                return generation, rank
             generation = self._wait_declared_after(generation, float("inf"))
 
     def wait_generation_after(self, generation: int) -> int:
@@ -286,7 +314,7 @@ class ControlClient:
         while True:
             try:
                 waiter.wait([keys.ready(generation)], timedelta(seconds=SHUTDOWN_CHECK_S))
-                if waiter.read(keys.ready(generation)) is not None:
+                if waiter.read_set(keys.ready(generation)) is not None:
                     return True
                 time.sleep(FORGED_RECHECK_S)  # forged: wait for the real last joiner's
             except dist.DistStoreError:  # timed out
@@ -315,7 +343,3 @@ class ControlClient:
     def mark_done(self) -> None:
         self.store.set(keys.done(self.worker), "1")
 
-
-def _rank_map(value: bytes) -> dict[int, str]:
-    """{rank: worker id} from host 0's JSON (authenticated, so well-formed)."""
-    return {int(r): str(w) for r, w in json.loads(value).items()}

@@ -38,7 +38,7 @@ from deadpool_megatron.scale.process import HostSpec, ProcessSpec, main as proce
 # Keys whose traffic goes on whether or not anything fails (heartbeats, polls, the
 # coordinator's scans): the coordinator's requests on them are steady load, not a
 # recovery's.
-STEADY = ("dp/exits", "dp/kills", "dp/host/", "dp/flush_request/", "dp/injects",
+STEADY = ("dp/exits", "dp/kills", "dp/host/", "dp/flush_request", "dp/injects",
           "dp/node", "dp/shutdown", "dp/done/", "dp/inject")
 
 

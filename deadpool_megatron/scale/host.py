@@ -2,9 +2,10 @@
 launch/launcher.py's host loop make, for workers that train nothing.
 
 Per poll (every TICK_S, and at once when a worker exits): an exit report per newly exited
-worker (the report, then the exits counter), the kill counter, the job's end (hosts but
-host 0); every REPORT_S the host's report, every live worker's progress in the format of
-LocalWorkers.views (workers.worker_view), which host 0's hang analysis reads.
+worker (the report, its name in the exit log, the exits counter); every REPORT_S the kill
+counter (what host 0 asks, the epoch's end among it) and the host's report, every live
+worker's progress in the format of LocalWorkers.views (workers.worker_view), which host
+0's hang analysis reads.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class SimHost:
     kills_seen: int = 0
     seq: int = 0
     next_report: float = 0.0
+    next_control: float = 0.0
     started_ns: int = field(default_factory=progress.now_ns)
     polls: int = 0
 
@@ -48,22 +50,27 @@ class SimHost:
         self.exited[worker] = returncode
 
     async def poll(self, now: float, reporting: bool = True) -> None:
-        """LocalWorkers.poll, then the host loop's check of the job's end."""
+        """LocalWorkers.poll (the host loop's own end check is what it reads of host 0)."""
         self.polls += 1
         for worker, rc in self.exited.items():
             if worker not in self.reported:
                 self.reported.add(worker)
                 self.store.set(keys.exit_report(worker), str(rc), self.tally)
+                self.store.append(keys.EXITED, f"{worker},", self.tally)
                 await self.store.add(keys.EXITS, 1, self.tally)
-        kills = await self.store.add(keys.KILLS, 0, self.tally)
-        if kills != self.kills_seen:
-            self.kills_seen = kills  # a kill request or an injection: none in this harness
-        if reporting and now >= self.next_report:
+        if not reporting:
+            return
+        if now >= self.next_control:
+            self.next_control = now + REPORT_S
+            kills = await self.store.add(keys.KILLS, 0, self.tally)
+            if kills != self.kills_seen:  # none in this harness but the epoch's end
+                self.kills_seen = kills
+                await self.store.read(keys.SHUTDOWN, self.tally)
+        if now >= self.next_report:
             self.next_report = now + REPORT_S
             self.seq += 1
             self.store.set(keys.host_report(self.node),
                            json.dumps({"seq": self.seq, "workers": self.views()}), self.tally)
-        await self.store.read(keys.SHUTDOWN, self.tally)
 
     def views(self) -> dict[str, dict]:
         """Every live worker training (spares not yet: a spare's record has no stamp):

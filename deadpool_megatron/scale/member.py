@@ -8,9 +8,10 @@ ControlClient's):
   connection and wait, the connection of its first generation (opened ahead of need);
 - a member: generation 0's rendezvous; a spare: its assignment, rechecking the job's end
   every SHUTDOWN_CHECK_S while it waits;
-- on a declaration: what the watcher reads; a survivor leaves (the flush and membership
-  checks, the replaced ranks), a spare finds its rank; both meet in the rendezvous, open
-  the next generation's connection and read the replaced ranks for the plan.
+- on a declaration: the watcher reads it (control/declaration.py) and keeps it, so what a
+  survivor asks of it as it leaves (a flush? still a member? which ranks were replaced?)
+  and what the plan asks costs nothing more; a spare finds its rank in it; both meet in
+  the rendezvous and open the next generation's connection.
 
 What is simulated, not made: the connections a worker opens besides its watcher's are
 counted (two requests each) but not opened; a worker's watcher and its generation's
@@ -22,19 +23,14 @@ are not made: their store requests are computed (scale/groups.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import FORGED_RECHECK_S, SHUTDOWN_CHECK_S
+from deadpool_megatron.control.declaration import Declaration
 from deadpool_megatron.scale.signed import SignedView
 from deadpool_megatron.scale.wire import Tally, Waiter
-
-# A connection's greeting (VALIDATE with the magic number, PING with a nonce): requests,
-# bytes sent, bytes received.
-GREETING = (2, 10, 4)
-
 
 @dataclass
 class Joined:
@@ -54,72 +50,79 @@ class SimMember:
     generation: int = 0  # the generation it is a member of (or, for a spare, has seen)
     alive: bool = True
     joined: list[Joined] = field(default_factory=list)
+    declarations: dict[int, Declaration] = field(default_factory=dict)
     on_joined: object = None  # callable(member, Joined), set by the process
 
     # -- start -----------------------------------------------------------------------------
     async def start(self) -> None:
         """ControlClient.__init__, then generation 0 (a member) or the wait for a rank."""
-        self.tally.count(*GREETING)  # its main connection
+        self.tally.greet()  # its main connection
         seen = 0
-        while await self.store.check([keys.members(seen + 1)], self.tally) and \
-                await self.store.read(keys.members(seen + 1), self.tally) is not None:
+        while await self.store.check([keys.declared(seen + 1)], self.tally):
+            value = await self.store.read(keys.declared(seen + 1), self.tally)
+            if value is None:
+                break
+            self._keep(Declaration.from_json(value))
             seen += 1
         self.generation = seen
-        self.tally.count(*GREETING)  # the connection of its next generation, prepared
+        self.tally.greet()  # the connection of its next generation, prepared
         if self.rank is None:
             await self._wait_for_assignment()
         else:
             await self._rendezvous(self.generation)
+            self.tally.greet()  # prepare_connection: the next generation's
             self._settled()
         await self._watch()
 
     # -- the watcher and what a declaration sets off ----------------------------------------
     async def _watch(self) -> None:
-        """Block on the next generation's membership; on each declaration, act on it."""
+        """Block on the next generation's declaration; on each, act on it."""
         while self.alive:
             nxt = self.generation + 1
-            await self.waiter.wait([keys.members(nxt)], self.tally)
+            await self.waiter.wait([keys.declared(nxt)], self.tally)
             if not self.alive:
                 return
             self.tally.phase = f"rec{nxt}"
-            if await self.store.read(keys.members(nxt), self.tally) is None:
+            value = await self.store.read_set(keys.declared(nxt), self.tally)
+            if value is None:
                 await asyncio.sleep(FORGED_RECHECK_S)  # forged: not a declaration
                 continue
+            self._keep(Declaration.from_json(value))
             if self.rank is None:
                 await self._assignment(nxt)
             else:
                 await self._recover(nxt)
 
     async def _recover(self, generation: int) -> None:
-        """recovery.recover: leave (flush?, still a member?, who was replaced), the flush
-        check, then enter (rendezvous, next connection, the plan's replaced ranks)."""
-        await self.store.read(keys.flush(generation), self.tally)
-        members = await self._members(generation)
-        if members.get(self.rank) != self.worker:
+        """recovery.recover: leave (a flush? still a member? who was replaced?), the flush
+        check, then enter (rendezvous, next connection, the plan's replaced ranks): all
+        but the rendezvous answered by the declaration kept."""
+        if await self._flush_of(generation):
+            return
+        if (await self._declaration(generation)).members().get(self.rank) != self.worker:
             self.alive = False  # declared lost: it leaves the job
             return
         for g in range(self.generation + 1, generation + 1):
-            await self._replaced(g)
-        await self.store.read(keys.flush(generation), self.tally)
+            await self._declaration(g)  # its replaced ranks
+        await self._flush_of(generation)
         await self._enter(generation)
 
     async def _assignment(self, generation: int) -> None:
         """A spare's wait_for_assignment, woken by a declaration."""
-        members = await self._members(generation)
         self.generation = generation
-        rank = next((r for r, w in members.items() if w == self.worker), None)
+        rank = (await self._declaration(generation)).members().rank_of(self.worker)
         if rank is not None:
             self.rank = rank
             await self._enter(generation)
 
     async def _wait_for_assignment(self) -> None:
         """Spares at start: the current membership, then (in `_watch`) each declaration;
-        meanwhile the job's end is checked every SHUTDOWN_CHECK_S (`_idle`)."""
-        members = await self._members(self.generation)
-        rank = next((r for r, w in members.items() if w == self.worker), None)
+        meanwhile the job's end is checked every SHUTDOWN_CHECK_S (`idle`)."""
+        rank = (await self._declaration(self.generation)).members().rank_of(self.worker)
         if rank is not None:
             self.rank = rank
             await self._rendezvous(self.generation)
+            self.tally.greet()  # prepare_connection: the next generation's
             self._settled()
 
     async def idle(self) -> None:
@@ -131,31 +134,37 @@ class SimMember:
 
     async def _enter(self, generation: int) -> None:
         await self._rendezvous(generation)
-        self.tally.count(*GREETING)  # prepare_connection: the next generation's
-        await self._replaced(generation)  # recovery.agree
+        self.tally.greet()  # prepare_connection: the next generation's
+        await self._declaration(generation)  # recovery.agree: the replaced ranks
         self._settled()
 
     def _settled(self) -> None:
         """The generation's control-plane requests are made: tell the process."""
         self.joined[-1].settled_at = time.monotonic()
-        self.tally.phase = "after"
         if self.on_joined is not None:
             self.on_joined(self, self.joined[-1])
 
     # -- ControlClient's calls ------------------------------------------------------------
-    async def _members(self, generation: int) -> dict[int, str]:
-        value = await self.store.read(keys.members(generation), self.tally)
-        return {int(r): str(w) for r, w in json.loads(value).items()}
+    def _keep(self, declaration: Declaration) -> None:
+        self.declarations[declaration.generation] = declaration
 
-    async def _replaced(self, generation: int) -> dict[int, str]:
-        if not await self.store.check([keys.replaced(generation)], self.tally):
-            return {}
-        value = await self.store.read(keys.replaced(generation), self.tally)
-        return {int(r): str(w) for r, w in json.loads(value).items()}
+    async def _declaration(self, generation: int) -> Declaration:
+        """ControlClient.declaration: kept, else read (CHECK, then torch's get)."""
+        if generation not in self.declarations:
+            value = await self.store.read(keys.declared(generation), self.tally)
+            self._keep(Declaration.from_json(value))
+        return self.declarations[generation]
+
+    async def _flush_of(self, generation: int) -> bool:
+        """ControlClient.flush_of: only a flush's request is read (none in this harness)."""
+        if not (await self._declaration(generation)).flush:
+            return False
+        await self.store.read(keys.flush(generation), self.tally)
+        return True
 
     async def _rendezvous(self, generation: int) -> None:
         """ControlClient.rendezvous on the generation's connection."""
-        members = await self._members(generation)
+        members = (await self._declaration(generation)).members()
         assert members.get(self.rank) == self.worker, (self.worker, self.rank)
         if await self.store.add(keys.joined(generation), 1, self.tally) >= self.world:
             self.store.set(keys.ready(generation), "1", self.tally)
@@ -163,7 +172,7 @@ class SimMember:
             if await self.waiter.wait([keys.ready(generation)], self.tally,
                                       SHUTDOWN_CHECK_S):
                 on_waiter = self.store.on(self.waiter.conn)
-                if await on_waiter.read(keys.ready(generation), self.tally) is not None:
+                if await on_waiter.read_set(keys.ready(generation), self.tally) is not None:
                     break
                 await asyncio.sleep(FORGED_RECHECK_S)  # forged: the real one follows
             await self.store.read(keys.SHUTDOWN, self.tally)

@@ -36,6 +36,9 @@ class SignedView:
         """SignedStore.read_set: a key known to be set (after a WAIT): torch's get only."""
         return verify(self.token, self.prefix + key, await self.store.get(key, tally))
 
+    def append(self, key: str, value: str, tally: Tally) -> None:
+        self.store.append(key, value.encode(), tally)
+
     async def check(self, keys: list[str], tally: Tally) -> bool:
         return await self.store.check(keys, tally)
 

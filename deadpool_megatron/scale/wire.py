@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 MAGIC = 0x3C85F7CE  # torch's validation number, sent first on every connection
 VALIDATE, SET, GET, ADD, CHECK, WAIT = 0, 1, 3, 4, 5, 6
-MULTI_GET, CANCEL_WAIT, PING = 10, 12, 13
+APPEND, MULTI_GET, CANCEL_WAIT, PING = 9, 10, 12, 13
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
@@ -41,11 +41,18 @@ class Tally:
     sent: collections.Counter = field(default_factory=collections.Counter)
     received: collections.Counter = field(default_factory=collections.Counter)
     phase: str = "start"
+    trace: list[tuple[str, str]] | None = None  # (query, key) of each request, if kept
 
     def count(self, requests: int, sent: int, received: int = 0) -> None:
         self.requests[self.phase] += requests
         self.sent[self.phase] += sent
         self.received[self.phase] += received
+
+    def greet(self) -> None:
+        """A connection the member opens but the harness does not (VALIDATE, PING)."""
+        self.count(2, 10, 4)
+        if self.trace is not None:
+            self.trace += [("VALIDATE", ""), ("PING", "")]
 
     def take(self, phase: str) -> tuple[int, int]:
         """(requests, bytes both ways) counted under `phase`, then forgotten."""
@@ -160,6 +167,8 @@ class Connection(asyncio.Protocol):
         fut = asyncio.get_running_loop().create_future()
         if tally is not None:
             tally.count(requests, len(data))
+            if tally.trace is not None:
+                tally.trace += decode_requests(data)
         if kind is None:  # SET: no answer
             fut.set_result(None)
         else:
@@ -188,6 +197,10 @@ class Store:
 
     def set(self, key: str, value: bytes, tally: Tally | None) -> asyncio.Future:
         return self.conn._request(bytes([SET]) + _string(self.key(key)) + _string(value),
+                                  None, tally)
+
+    def append(self, key: str, value: bytes, tally: Tally | None) -> asyncio.Future:
+        return self.conn._request(bytes([APPEND]) + _string(self.key(key)) + _string(value),
                                   None, tally)
 
     async def get(self, key: str, tally: Tally | None) -> bytes:
@@ -259,3 +272,47 @@ async def gather_bounded(factories: list[Callable[[], Any]], limit: int) -> list
             return await factory()
 
     return await asyncio.gather(*(one(f) for f in factories))
+
+
+NAMES = {VALIDATE: "VALIDATE", SET: "SET", GET: "GET", ADD: "ADD", CHECK: "CHECK",
+         WAIT: "WAIT", 8: "DELETE_KEY", APPEND: "APPEND", MULTI_GET: "MULTI_GET", CANCEL_WAIT: "CANCEL_WAIT",
+         PING: "PING"}
+
+
+def decode_requests(stream: bytes) -> list[tuple[str, str]]:
+    """(query, first key) of each request in a client's byte stream to the store: what a
+    recording proxy shows of torch's client, to compare with the harness's members."""
+    out, pos = [], 0
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        chunk = stream[pos:pos + n]
+        if len(chunk) < n:
+            raise ValueError("a request cut short")
+        pos += n
+        return chunk
+
+    def string() -> str:
+        return take(_U64.unpack(take(8))[0]).decode(errors="replace")
+
+    while pos < len(stream):
+        query = take(1)[0]
+        name = NAMES.get(query, str(query))
+        key = ""
+        if query in (VALIDATE, PING):
+            take(4)
+        elif query in (SET, APPEND):
+            key = string()
+            string()
+        elif query in (GET, 8):
+            key = string()
+        elif query == ADD:
+            key = string()
+            take(8)
+        elif query in (CHECK, WAIT, MULTI_GET):
+            keys = [string() for _ in range(_U64.unpack(take(8))[0])]
+            key = keys[0] if keys else ""
+        elif query != CANCEL_WAIT:
+            raise ValueError(f"unknown query {query}")
+        out.append((name, key))
+    return out
