@@ -14,6 +14,7 @@ coordinator's), to which the process groups' requests are added as torch makes t
 
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import random
@@ -230,9 +231,24 @@ class Harness:
                 next_tick = now + TICK_S
             if now > deadline:
                 raise TimeoutError(f"{what}: not done within the harness's timeout "
-                                   f"({self._progress()})")
+                                   f"({self._progress()}; {self._states()})")
             for pipe in wait_pipes(self.pipes, timeout=max(0.0, next_tick - time.monotonic())):
                 self._message(self.pipes.index(pipe), pipe.recv())
+
+    def _states(self) -> str:
+        """Where the processes' live workers are (asked when the harness gives up)."""
+        for pipe in self.pipes:
+            pipe.send(("states",))
+        states: collections.Counter = collections.Counter()
+        deadline = time.monotonic() + 10
+        answered = 0
+        while answered < len(self.pipes) and time.monotonic() < deadline:
+            for pipe in wait_pipes(self.pipes, timeout=1):
+                kind, *args = pipe.recv()
+                if kind == "states":
+                    states.update(args[0])
+                    answered += 1
+        return ", ".join(f"{n} {s}" for s, n in states.most_common(6))
 
     def _progress(self) -> str:
         gens = sorted({g for j in self.joins.values() for g in j})
@@ -247,6 +263,8 @@ class Harness:
             self.killed_at.append(args[0])
         elif kind == "tallies":
             self._tallies[p] = args[1]
+        elif kind == "error":
+            raise RuntimeError(f"a simulated worker failed: {args[0]}")
 
     def _collect(self, phase: str) -> list[dict]:
         self._tallies: dict[int, dict] = {}

@@ -52,6 +52,7 @@ class SimMember:
     joined: list[Joined] = field(default_factory=list)
     declarations: dict[int, Declaration] = field(default_factory=dict)
     on_joined: object = None  # callable(member, Joined), set by the process
+    state: str = "new"  # where it is, for a harness that waits too long
 
     # -- start -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -79,7 +80,9 @@ class SimMember:
         """Block on the next generation's declaration; on each, act on it."""
         while self.alive:
             nxt = self.generation + 1
+            self.state = f"watching {nxt}"
             await self.waiter.wait([keys.declared(nxt)], self.tally)
+            self.state = f"woken {nxt}"
             if not self.alive:
                 return
             self.tally.phase = f"rec{nxt}"
@@ -164,10 +167,12 @@ class SimMember:
 
     async def _rendezvous(self, generation: int) -> None:
         """ControlClient.rendezvous on the generation's connection."""
+        self.state = f"joining {generation}"
         members = (await self._declaration(generation)).members()
         assert members.get(self.rank) == self.worker, (self.worker, self.rank)
         if await self.store.add(keys.joined(generation), 1, self.tally) >= self.world:
             self.store.set(keys.ready(generation), "1", self.tally)
+        self.state = f"waiting {generation}"
         while True:
             if await self.waiter.wait([keys.ready(generation)], self.tally,
                                       SHUTDOWN_CHECK_S):
@@ -177,4 +182,5 @@ class SimMember:
                 await asyncio.sleep(FORGED_RECHECK_S)  # forged: the real one follows
             await self.store.read(keys.SHUTDOWN, self.tally)
         self.generation = generation
+        self.state = f"joined {generation}"
         self.joined.append(Joined(generation, time.monotonic()))

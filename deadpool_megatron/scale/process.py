@@ -89,12 +89,19 @@ class _Process:
             self.tasks[member.worker].append(asyncio.ensure_future(member.start()))
             if member.rank is None:
                 self.tasks[member.worker].append(asyncio.ensure_future(member.idle()))
+            for task in self.tasks[member.worker]:
+                task.add_done_callback(self._ended)
         ticking = asyncio.ensure_future(self._tick())
         reporting = asyncio.ensure_future(self._report_joins())
         self.pipe.send(("ready", len(self.members)))
         await self.stopped
         ticking.cancel()
         reporting.cancel()
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """A member's task ended: by its kill (cancelled), or by an error, reported."""
+        if not task.cancelled() and task.exception() is not None:
+            self.pipe.send(("error", repr(task.exception())))
 
     # -- the hosts' launcher loops ---------------------------------------------------------
     async def _tick(self) -> None:
@@ -127,6 +134,9 @@ class _Process:
                     tally.phase = args[0]
             elif command == "kill":
                 self._kill(int(args[0]))
+            elif command == "states":
+                states = collections.Counter(m.state for m in self.members if m.alive)
+                self.pipe.send(("states", dict(states)))
             elif command == "tallies":
                 self.pipe.send(("tallies", args[0], self._collect(args[0])))
             elif command == "stop":
