@@ -281,10 +281,14 @@ def test_a_simulated_host_makes_a_real_launchers_requests(tmp_path) -> None:
     workers = LocalWorkers(LaunchConfig(nproc_per_node=2, nnodes=2, node_rank=1), [], store,
                            server.port, 2, 0, str(tmp_path))
     workers.procs = {"w2": Exited()}
-    workers.poll()
-    time.sleep(REPORT_S)
-    workers.poll()
-    client.get(keys.epoch_prefix(0) + "/" + keys.EXITS)  # all sent before it is answered
+    try:
+        workers.poll()
+        time.sleep(REPORT_S)
+        workers.poll()
+        client.get(keys.epoch_prefix(0) + "/" + keys.EXITS)  # all sent before it answers
+    finally:
+        workers.procs = {}
+        workers.stop(0)  # its progress directory
     real = decode_requests(bytes(recorder.sent[0]))[2:-2]
 
     async def simulated() -> list:

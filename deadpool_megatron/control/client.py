@@ -56,6 +56,7 @@ class ControlClient:
         self._opening = threading.Lock()  # one connection opened at a time (see _open)
         self._prepared: tuple[dist.Store, list[int]] | None = None
         self._preparing: threading.Thread | None = None
+        self._current: tuple[dist.Store, list[int]] | None = None  # generations' connection
         self.store = self._connect()
         self._cond = threading.Condition()
         self._declarations: dict[int, Declaration] = {}  # authenticated, by generation
@@ -118,11 +119,11 @@ class ControlClient:
 
     # -- the connection of a generation's group rendezvous, opened ahead of need ----------
     def prepare_connection(self) -> None:
-        """Open, in the background, the connection the next generation's groups will use.
-        torch's TCPStore client formats the server's address with a reverse name lookup
-        when it connects; where DNS drops a query that costs the resolver's 5 s timeout
-        (seen here in most 16-rank recoveries, every rank connecting at once), so it is paid
-        ahead of time, never inside a recovery."""
+        """Open, in the background, a connection for a generation's groups, unless one is
+        ready. torch's TCPStore client formats the server's address with a reverse name
+        lookup when it connects; where DNS drops a query that costs the resolver's 5 s
+        timeout (seen here in most 16-rank recoveries, every rank connecting at once), so it
+        is paid ahead of time, never inside a recovery."""
         with self._cond:
             if self._prepared is not None or self._preparing is not None:
                 return
@@ -142,17 +143,33 @@ class ControlClient:
             self._cond.notify_all()
 
     def take_connection(self) -> tuple[dist.Store, list[int]]:
-        """A connection of its own (and its fds) for one generation's group rendezvous: the
-        prepared one (waiting for it if it is being opened), else one opened now. The next
-        is prepared once the generation has formed (`prepare_connection`): the store server
-        too formats each new peer's address, on its only thread, so no connection is opened
-        while a generation forms."""
+        """The connection (and its fds) for one generation's group rendezvous: the previous
+        generation's, unless a newer declaration cut it (`connection_cut`); else the one
+        prepared ahead (waiting for it if it is being opened), else one opened now.
+        Keeping it saves every worker a connection (and host 0's store a close) per
+        recovery: torch's server, on closing a connection that ever waited, walks every
+        wait pending on the store (the 16,000 watchers' at 16,000 ranks). The next spare
+        connection is prepared once the generation has formed (`prepare_connection`): the
+        server too formats each new peer's address, on its only thread, so no connection
+        is opened while a generation forms."""
+        with self._cond:
+            if self._current is not None:
+                return self._current
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while self._preparing is not None and time.monotonic() < deadline:
                 self._cond.wait(SHUTDOWN_CHECK_S)
             taken, self._prepared = self._prepared, None
-        return taken if taken is not None else self._open()
+        taken = taken if taken is not None else self._open()
+        with self._cond:
+            self._current = taken
+        return taken
+
+    def connection_cut(self) -> None:
+        """The current generation connection was cut (a newer declaration): the next
+        generation takes another."""
+        with self._cond:
+            self._current = None
 
     # -- the watcher thread, with its own connection ---------------------------------------
     def _watch_declarations(self) -> None:
@@ -300,7 +317,9 @@ class ControlClient:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
         The last to join writes the ready key, which everyone else is blocked on, on
         `waiter`: the generation's own connection, which a newer declaration cuts, so the
-        wait ends at once (the timeout only bounds a missed cut). Only the worker the
+        wait ends at once (the timeout only bounds a missed cut). An epoch that ends
+        without a declaration (its hosts never all joined) leaves the waits to the
+        launcher, which stops its workers. Only the worker the
         generation's membership names for `rank` may join as it: a worker declared lost
         that wakes up later (a frozen process, a partitioned host) is refused (NotAMember),
         so it can never take a rank's place or fill the barrier."""
@@ -313,7 +332,12 @@ class ControlClient:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                waiter.wait([keys.ready(generation)], timedelta(seconds=SHUTDOWN_CHECK_S))
+                # One wait to the deadline: a wait that times out is cancelled, and torch's
+                # server, cancelling, walks every wait pending on the store, so thousands
+                # of ranks rechecking every 0.5 s kept it busy for minutes (16,384
+                # simulated ranks, tools/bench_scale.py).
+                left = max(0.001, deadline - time.monotonic())
+                waiter.wait([keys.ready(generation)], timedelta(seconds=left))
                 if waiter.read_set(keys.ready(generation)) is not None:
                     return True
                 time.sleep(FORGED_RECHECK_S)  # forged: wait for the real last joiner's

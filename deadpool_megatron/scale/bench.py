@@ -31,6 +31,7 @@ from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.launch.coordinator import Coordinator, EpochEnded
 from deadpool_megatron.launch.launcher import TICK_S
 from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.metrics.threads import cpu_seconds, thread_ids
 from deadpool_megatron.scale import placement
 from deadpool_megatron.scale.counting import CountingStore
 from deadpool_megatron.scale.groups import megatron_group_sizes, recovery_groups
@@ -72,6 +73,7 @@ class Recovery:
     coordinator_requests: int
     bytes_per_member: float
     max_member_requests: int
+    store_cpu_s: float = 0.0  # host 0's store thread, kill to every member joined
 
 
 @dataclass
@@ -105,6 +107,8 @@ class ScaleResult:
             "store_ops_per_member_per_recovery_gloo": control + gloo,
             "bytes_per_member_per_recovery": med([r.bytes_per_member for r in recs]),
             "max_member_requests": max((r.max_member_requests for r in recs), default=0),
+            "store_cpu_s_per_recovery": med([r.store_cpu_s for r in recs]),
+            "steady_store_cpu_share": self.steady.get("store_cpu", 0.0),
             "steady_ops_per_s_per_host": self.steady.get("per_host", 0.0),
             "steady_ops_per_s_per_rank": self.steady.get("per_rank", 0.0),
             "steady_ops_per_s_per_spare": self.steady.get("per_spare", 0.0),
@@ -127,7 +131,9 @@ class _Host0:
         from deadpool_megatron.launch.workers import LocalWorkers
 
         hosts = cfg.ranks // cfg.ranks_per_host
+        before = thread_ids()
         self.server = store_server("127.0.0.1", 0, timeout_s=120)
+        self.store_threads = thread_ids() - before  # the store server's own (libuv) thread
         self.counting = CountingStore(self.server, classify)
         self.launch = LaunchConfig(nproc_per_node=cfg.ranks_per_host, nnodes=hosts + 1,
                                    control_only=True, heartbeat_timeout=60.0,
@@ -210,6 +216,7 @@ class Harness:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+        self.host0.workers.stop(0)  # its progress directory
 
     def _joined(self, generation: int) -> int:
         return sum(j.get(generation, (0, 0.0, 0.0))[0] for j in self.joins.values())
@@ -283,6 +290,7 @@ class Harness:
         self._phase("steady")
         before = dict(host0.counting.requests)
         host0.ticks, host0.tick_cpu, host0.scan_cpu = 0, 0.0, []
+        store_cpu = cpu_seconds(host0.store_threads)
         t0 = time.monotonic()
         self._until(lambda: time.monotonic() - t0 >= cfg.steady_s, "the steady window")
         elapsed = time.monotonic() - t0
@@ -297,6 +305,7 @@ class Harness:
             "per_spare": (sum(t["spares"]["requests"] for t in tallies) / spares / elapsed
                           if spares else 0.0),
             "host0": host0_requests / elapsed,
+            "store_cpu": (cpu_seconds(host0.store_threads) - store_cpu) / elapsed,
         }
         tick = 1e3 * host0.tick_cpu / max(1, host0.ticks)
         scan = 1e3 * statistics.median(host0.scan_cpu) if host0.scan_cpu else 0.0
@@ -308,12 +317,14 @@ class Harness:
         counted = dict(host0.counting.requests)
         counted_bytes = dict(host0.counting.bytes)
         killed = len(self.killed_at)
+        store_cpu = cpu_seconds(host0.store_threads)
         self.pipes[self.owner[victim]].send(("kill", victim))
         self._until(lambda: len(self.killed_at) > killed and host0.declared
                     and host0.declared[-1][0] == generation, f"the declaration of {generation}")
         self._until(lambda: self._joined(generation) >= self.cfg.ranks,
                     f"generation {generation}")
         declared = host0.declared[-1][1]
+        store_cpu = cpu_seconds(host0.store_threads) - store_cpu
         coordinator = host0.counting.requests["recovery"] - counted.get("recovery", 0)
         coordinator_bytes = host0.counting.bytes["recovery"] - counted_bytes.get("recovery", 0)
         tallies = self._collect(f"rec{generation}")
@@ -331,7 +342,8 @@ class Harness:
             coordinator_requests=coordinator,
             bytes_per_member=(member_bytes + coordinator_bytes) / n,
             max_member_requests=max(max(t["members"]["max_requests"],
-                                        t["spares"]["max_requests"]) for t in tallies))
+                                        t["spares"]["max_requests"]) for t in tallies),
+            store_cpu_s=store_cpu)
 
 
 def run(cfg: ScaleConfig, log: Any = print) -> ScaleResult:
@@ -377,11 +389,13 @@ def table(results: list[dict]) -> str:
         ("  process groups, NCCL", "pg_ops_per_member_nccl", "{:.1f}"),
         ("  (process groups, gloo: full mesh)", "pg_ops_per_member_gloo", "{:.0f}"),
         ("bytes / member / recovery", "bytes_per_member_per_recovery", "{:.0f}"),
+        ("host 0's store thread, CPU s / recovery", "store_cpu_s_per_recovery", "{:.2f}"),
         ("most requests of one member", "max_member_requests", "{:.0f}"),
         ("steady requests/s per host", "steady_ops_per_s_per_host", "{:.1f}"),
         ("steady requests/s per rank", "steady_ops_per_s_per_rank", "{:.2f}"),
         ("steady requests/s per spare", "steady_ops_per_s_per_spare", "{:.2f}"),
         ("steady requests/s, host 0 (coordinator)", "steady_ops_per_s_host0", "{:.0f}"),
+        ("steady: host 0's store thread busy (share)", "steady_store_cpu_share", "{:.3f}"),
         ("coordinator CPU ms / tick (mean)", "coordinator_cpu_ms_per_tick", "{:.2f}"),
         ("coordinator CPU ms / host scan", "coordinator_cpu_ms_per_scan", "{:.2f}"),
         ("plan (ms)", "plan_ms", "{:.1f}"),

@@ -14,9 +14,10 @@ ControlClient's):
   the rendezvous and open the next generation's connection.
 
 What is simulated, not made: the connections a worker opens besides its watcher's are
-counted (two requests each) but not opened; a worker's watcher and its generation's
-connection are one connection here (`Waiter`), so the watcher's next wait is sent once
-the member has joined rather than at once (the same requests, later). The process groups
+counted (two requests each) but not opened (its generations' connection is kept from one
+generation to the next, so a recovery opens none); a worker's watcher and its
+generation's connection are one connection here (`Waiter`), so the watcher's next wait
+is sent once the member has joined rather than at once (the same requests, later). The process groups
 are not made: their store requests are computed (scale/groups.py).
 """
 
@@ -31,6 +32,9 @@ from deadpool_megatron.control.client import FORGED_RECHECK_S, SHUTDOWN_CHECK_S
 from deadpool_megatron.control.declaration import Declaration
 from deadpool_megatron.scale.signed import SignedView
 from deadpool_megatron.scale.wire import Tally, Waiter
+
+RENDEZVOUS_S = 300.0  # DEADPOOL_CONTROL_TIMEOUT_S's default: the rendezvous' one wait
+
 
 @dataclass
 class Joined:
@@ -53,6 +57,7 @@ class SimMember:
     declarations: dict[int, Declaration] = field(default_factory=dict)
     on_joined: object = None  # callable(member, Joined), set by the process
     state: str = "new"  # where it is, for a harness that waits too long
+    prepared_again: bool = False  # its first join done: a spare connection opened
 
     # -- start -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -66,12 +71,12 @@ class SimMember:
             self._keep(Declaration.from_json(value))
             seen += 1
         self.generation = seen
-        self.tally.greet()  # the connection of its next generation, prepared
+        self.tally.greet()  # the connection of its first generation, prepared
         if self.rank is None:
             await self._wait_for_assignment()
         else:
             await self._rendezvous(self.generation)
-            self.tally.greet()  # prepare_connection: the next generation's
+            self._prepare_connection()
             self._settled()
         await self._watch()
 
@@ -125,7 +130,7 @@ class SimMember:
         if rank is not None:
             self.rank = rank
             await self._rendezvous(self.generation)
-            self.tally.greet()  # prepare_connection: the next generation's
+            self._prepare_connection()
             self._settled()
 
     async def idle(self) -> None:
@@ -137,9 +142,17 @@ class SimMember:
 
     async def _enter(self, generation: int) -> None:
         await self._rendezvous(generation)
-        self.tally.greet()  # prepare_connection: the next generation's
+        self._prepare_connection()
         await self._declaration(generation)  # recovery.agree: the replaced ranks
         self._settled()
+
+    def _prepare_connection(self) -> None:
+        """ControlClient.prepare_connection after a join: its first join took the
+        connection prepared at its start, so another is opened (for after a cut); later
+        joins keep the same one, and nothing is opened."""
+        if not self.prepared_again:
+            self.prepared_again = True
+            self.tally.greet()
 
     def _settled(self) -> None:
         """The generation's control-plane requests are made: tell the process."""
@@ -173,9 +186,10 @@ class SimMember:
         if await self.store.add(keys.joined(generation), 1, self.tally) >= self.world:
             self.store.set(keys.ready(generation), "1", self.tally)
         self.state = f"waiting {generation}"
+        deadline = time.monotonic() + RENDEZVOUS_S
         while True:
-            if await self.waiter.wait([keys.ready(generation)], self.tally,
-                                      SHUTDOWN_CHECK_S):
+            left = max(0.001, deadline - time.monotonic())
+            if await self.waiter.wait([keys.ready(generation)], self.tally, left):
                 on_waiter = self.store.on(self.waiter.conn)
                 if await on_waiter.read_set(keys.ready(generation), self.tally) is not None:
                     break
