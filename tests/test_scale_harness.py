@@ -331,3 +331,22 @@ def test_gloo_asks_the_store_what_the_model_counts() -> None:
             t.join(30)
         assert len(made) == size
         assert [sum(s.requests.values()) for s in stores] == [gloo_requests(size)] * size
+
+
+def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
+    """Every live worker's generation and iteration; the whole view only of a worker
+    stalled half its timeout or more, stopped, or whose monitor is silent."""
+    from deadpool_megatron.launch.workers import host_report
+
+    def view(st: float = 0.01, os_state: str = "S", mon: float = 0.02,
+             long_: bool = False) -> dict:
+        return {"g": 2, "c": 10, "it": 7, "ph": "forward", "st": st, "mon": mon, "wh": 1,
+                "long": long_, "to": 20.0, "itn": 1.0, "os": os_state}
+
+    views = {"w0": view(), "w1": view(st=11.0), "w2": view(os_state="T"),
+             "w3": view(mon=5.0), "w4": view(st=9.0), "w5": view(st=30.0, long_=True)}
+    report = host_report(4, views)
+    assert report["seq"] == 4
+    assert sorted(report["workers"]) == ["w1", "w2", "w3"]
+    assert report["workers"]["w1"] == views["w1"]
+    assert report["it"] == {w: [2, 7] for w in views}

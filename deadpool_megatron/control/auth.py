@@ -32,6 +32,7 @@ log = logging.getLogger("deadpool_megatron.control")
 ENV = "DEADPOOL_JOB_TOKEN"
 MIN_TOKEN_BYTES = 16
 _MAC_HEX = 64
+UNSET = b"\x00"  # never a signed value: `read`'s compare_set expects it, so never matches
 
 
 class TokenError(ValueError):
@@ -107,11 +108,16 @@ class SignedStore:
         """The payload of `key`, or None if it is unset or unauthenticated (logged)."""
         if not self.store.check([key]):
             return None
-        return self._verified(key, self.store.get(key))
+        return self.read_set(key)
 
     def read_set(self, key: str) -> bytes | None:
-        """`read` of a key known to be set (a wait on it returned): one get, no check."""
-        return self._verified(key, self.store.get(key))
+        """`read` of a key known to be set (a wait on it returned, or a check): one request.
+        torch's compare_set, expecting a value no signed value can be, answers a set key's
+        value and changes nothing; torch's get is two requests (a WAIT, then the GET), and
+        a round trip each. Only for a set key: on one not set, torch's libuv server wakes
+        every wait on that key (and answers the expected value)."""
+        value = self.store.compare_set(key, UNSET, UNSET)
+        return None if value == UNSET else self._verified(key, value)
 
     def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """`read` of keys that exist (one round trip)."""

@@ -96,10 +96,7 @@ class ControlClient:
     def _newest_declared(self) -> int:
         """The newest generation whose declaration carries the job token."""
         generation = 0
-        while self.store.check([keys.declared(generation + 1)]):
-            value = self.store.read(keys.declared(generation + 1))
-            if value is None:
-                break
+        while (value := self.store.read(keys.declared(generation + 1))) is not None:
             self._keep(Declaration.from_json(value))
             generation += 1
         return generation

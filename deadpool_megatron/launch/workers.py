@@ -22,6 +22,7 @@ import time
 from typing import Sequence
 
 from deadpool_megatron.control import auth, keys, progress
+from deadpool_megatron.control.hang import MONITOR_STALE_S, STOPPED, hang_timeout
 from deadpool_megatron.faults import nudge
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.faults.remote import RequestReader
@@ -127,7 +128,7 @@ class LocalWorkers:
             self._next_report = now + REPORT_S
             self._seq += 1
             self.store.set(keys.host_report(self.cfg.node_rank),
-                           json.dumps({"seq": self._seq, "workers": self.views()}))
+                           json.dumps(host_report(self._seq, self.views())))
 
     def _follow_host0(self) -> None:
         """What host 0 (or deadpool-inject) asked since the kill counter last moved."""
@@ -214,6 +215,24 @@ class LocalWorkers:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=10)
         shutil.rmtree(self.progress_dir, ignore_errors=True)
+
+
+def host_report(seq: int, views: dict[str, dict]) -> dict:
+    """What a host publishes every REPORT_S: its sequence number (its heartbeat), each live
+    worker's generation and iteration ("it": deadpool-inject waits on them), and the whole
+    view (`worker_view`) of the workers host 0's hang analysis could act on only: those
+    stalled for half their timeout or more, or unable to run (control/hang.py). Host 0
+    reads every host's report every 0.1 s: with every worker's view it parsed 16,384
+    views per scan at 16,384 ranks (80 ms of CPU each time, bench_scale)."""
+    return {"seq": seq, "workers": {w: v for w, v in views.items() if _suspect(v)},
+            "it": {w: [v["g"], v["it"]] for w, v in views.items()}}
+
+
+def _suspect(view: dict) -> bool:
+    if view["long"]:
+        return False  # inside a declared long operation: neither stalled nor a culprit
+    stalled = view["st"] > hang_timeout(view["to"], view["itn"]) / 2
+    return stalled or view["os"] == STOPPED or view["mon"] > MONITOR_STALE_S
 
 
 def worker_view(rec: progress.Progress, now_ns: int, os_state: str) -> dict:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from deadpool_megatron.control import keys, progress
-from deadpool_megatron.launch.workers import REPORT_S, spare_ids, worker_view
+from deadpool_megatron.launch.workers import REPORT_S, host_report, spare_ids, worker_view
 from deadpool_megatron.scale.signed import SignedView
 from deadpool_megatron.scale.wire import Tally
 
@@ -70,7 +70,7 @@ class SimHost:
             self.next_report = now + REPORT_S
             self.seq += 1
             self.store.set(keys.host_report(self.node),
-                           json.dumps({"seq": self.seq, "workers": self.views()}), self.tally)
+                           json.dumps(host_report(self.seq, self.views())), self.tally)
 
     def views(self) -> dict[str, dict]:
         """Every live worker training (spares not yet: a spare's record has no stamp):

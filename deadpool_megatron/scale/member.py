@@ -64,10 +64,7 @@ class SimMember:
         """ControlClient.__init__, then generation 0 (a member) or the wait for a rank."""
         self.tally.greet()  # its main connection
         seen = 0
-        while await self.store.check([keys.declared(seen + 1)], self.tally):
-            value = await self.store.read(keys.declared(seen + 1), self.tally)
-            if value is None:
-                break
+        while (value := await self.store.read(keys.declared(seen + 1), self.tally)):
             self._keep(Declaration.from_json(value))
             seen += 1
         self.generation = seen

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import random
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection as Pipe
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.launch.workers import REPORT_S
 from deadpool_megatron.scale.host import SimHost
 from deadpool_megatron.scale.member import Joined, SimMember
 from deadpool_megatron.scale.signed import SignedView
@@ -105,9 +107,18 @@ class _Process:
 
     # -- the hosts' launcher loops ---------------------------------------------------------
     async def _tick(self) -> None:
+        """Every launcher's loop, every tick; a host with nothing due (no exit, no report,
+        no kill-counter read: LocalWorkers.poll then sends nothing) is skipped. The hosts
+        start at random points of a REPORT_S, as real ones do."""
+        rng = random.Random(len(self.hosts))
+        start = time.monotonic()
+        for host in self.hosts:
+            host.next_report = host.next_control = start + rng.uniform(0, REPORT_S)
         while True:
             now = time.monotonic()
-            await asyncio.gather(*(host.poll(now) for host in self.hosts))
+            due = [h for h in self.hosts if now >= h.next_report or now >= h.next_control]
+            if due:
+                await asyncio.gather(*(host.poll(now) for host in due))
             await asyncio.sleep(max(0.0, self.spec.tick_s - (time.monotonic() - now)))
 
     # -- rendezvous progress, for the harness ----------------------------------------------

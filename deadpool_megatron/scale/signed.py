@@ -3,7 +3,7 @@ signed values (HMAC under the job token over the full key), the same requests.""
 
 from __future__ import annotations
 
-from deadpool_megatron.control.auth import sign, verify
+from deadpool_megatron.control.auth import UNSET, sign, verify
 from deadpool_megatron.scale.wire import Connection, Store, Tally, Waiter
 
 
@@ -27,14 +27,15 @@ class SignedView:
         self.store.set(key, sign(self.token, self.prefix + key, payload), tally)
 
     async def read(self, key: str, tally: Tally) -> bytes | None:
-        """SignedStore.read: CHECK, then (if set) torch's get, then the HMAC."""
+        """SignedStore.read: CHECK, then (if set) `read_set`."""
         if not await self.store.check([key], tally):
             return None
-        return verify(self.token, self.prefix + key, await self.store.get(key, tally))
+        return await self.read_set(key, tally)
 
     async def read_set(self, key: str, tally: Tally) -> bytes | None:
-        """SignedStore.read_set: a key known to be set (after a WAIT): torch's get only."""
-        return verify(self.token, self.prefix + key, await self.store.get(key, tally))
+        """SignedStore.read_set: one COMPARE_SET expecting UNSET, then the HMAC."""
+        value = await self.store.compare_set(key, UNSET, UNSET, tally)
+        return None if value == UNSET else verify(self.token, self.prefix + key, value)
 
     def append(self, key: str, value: str, tally: Tally) -> None:
         self.store.append(key, value.encode(), tally)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAGIC = 0x3C85F7CE  # torch's validation number, sent first on every connection
-VALIDATE, SET, GET, ADD, CHECK, WAIT = 0, 1, 3, 4, 5, 6
+VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT = 0, 1, 2, 3, 4, 5, 6
 APPEND, MULTI_GET, CANCEL_WAIT, PING = 9, 10, 12, 13
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
@@ -203,6 +203,12 @@ class Store:
         return self.conn._request(bytes([APPEND]) + _string(self.key(key)) + _string(value),
                                   None, tally)
 
+    def compare_set(self, key: str, expected: bytes, desired: bytes,
+                    tally: Tally | None) -> asyncio.Future:
+        """One request: the value now (set to `desired` only if it was `expected`)."""
+        return self.conn._request(bytes([COMPARE_SET]) + _string(self.key(key))
+                                  + _string(expected) + _string(desired), VECTOR, tally)
+
     async def get(self, key: str, tally: Tally | None) -> bytes:
         """WAIT, then GET, as torch's client (the key must already be set)."""
         k = self.key(key)
@@ -252,11 +258,15 @@ class Waiter:
         if timeout_s is None:
             await answer
             return True
-        try:
-            await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        timed_out = asyncio.get_running_loop().create_future()
+        timer = asyncio.get_running_loop().call_later(
+            timeout_s, lambda: timed_out.done() or timed_out.set_result(None))
+        answer.add_done_callback(lambda _: timed_out.done() or timed_out.set_result(None))
+        await timed_out
+        if answer.done():
+            timer.cancel()
+            answer.result()
             return True
-        except asyncio.TimeoutError:
-            pass
         self.conn._request(bytes([CANCEL_WAIT]), None, tally)
         if await answer == 0:  # STOP_WAITING came first: WAIT_CANCELED follows
             await self.conn._request(b"", BYTE, None)
@@ -274,7 +284,7 @@ async def gather_bounded(factories: list[Callable[[], Any]], limit: int) -> list
     return await asyncio.gather(*(one(f) for f in factories))
 
 
-NAMES = {VALIDATE: "VALIDATE", SET: "SET", GET: "GET", ADD: "ADD", CHECK: "CHECK",
+NAMES = {VALIDATE: "VALIDATE", SET: "SET", COMPARE_SET: "COMPARE_SET", GET: "GET", ADD: "ADD", CHECK: "CHECK",
          WAIT: "WAIT", 8: "DELETE_KEY", APPEND: "APPEND", MULTI_GET: "MULTI_GET", CANCEL_WAIT: "CANCEL_WAIT",
          PING: "PING"}
 
@@ -303,6 +313,10 @@ def decode_requests(stream: bytes) -> list[tuple[str, str]]:
             take(4)
         elif query in (SET, APPEND):
             key = string()
+            string()
+        elif query == COMPARE_SET:
+            key = string()
+            string()
             string()
         elif query in (GET, 8):
             key = string()
