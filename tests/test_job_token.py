@@ -39,6 +39,18 @@ def test_a_value_verifies_only_under_its_own_key_and_token() -> None:
         assert verify(TOKEN, "ep0/dp/exit/w1", junk) is None
 
 
+def test_a_secret_key_name_is_computed_only_with_the_token() -> None:
+    """The rendezvous' ready key carries a tag of the job token: another token, epoch or
+    generation names another key, and the plain name is not it."""
+    store = dist.HashStore()
+    name = SignedStore(store, TOKEN, keys.epoch_prefix(0)).secret_name(keys.ready(1))
+    assert name.startswith(keys.ready(1) + "/") and len(name) > len(keys.ready(1)) + 30
+    assert name == SignedStore(store, TOKEN, keys.epoch_prefix(0)).secret_name(keys.ready(1))
+    assert name != SignedStore(store, "x" * 32, keys.epoch_prefix(0)).secret_name(keys.ready(1))
+    assert name != SignedStore(store, TOKEN, keys.epoch_prefix(1)).secret_name(keys.ready(1))
+    assert name != SignedStore(store, TOKEN, keys.epoch_prefix(0)).secret_name(keys.ready(2))
+
+
 def test_token_files_that_others_may_read_or_too_short_are_refused(tmp_path: Path) -> None:
     good = tmp_path / "good"
     good.write_text(TOKEN + "\n")

@@ -180,10 +180,10 @@ def _normal(trace: list) -> collections.Counter:
     and the end-of-job check that follows, then the wait again), a waiting spare's check of
     the job's end, and the ready key the last to join sets."""
     kept = [tuple(r) for r in trace if r[0] != "CANCEL_WAIT" and not r[1].endswith("shutdown")
-            and not (r[0] == "SET" and r[1].endswith("/ready"))]
+            and not (r[0] == "SET" and "/ready/" in r[1])]
     counts = collections.Counter(kept)
     for request in counts:
-        if request[0] == "WAIT" and request[1].endswith("/ready"):
+        if request[0] == "WAIT" and "/ready/" in request[1]:
             counts[request] = 1
     return counts
 

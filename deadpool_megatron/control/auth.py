@@ -119,6 +119,16 @@ class SignedStore:
         value = self.store.compare_set(key, UNSET, UNSET)
         return None if value == UNSET else self._verified(key, value)
 
+    def secret_name(self, key: str) -> str:
+        """`key` with a tag that only holders of the job token can compute (an HMAC of the
+        full key): a process without the token cannot write that key, so a wait for it to
+        be set is as good as a read of a signed value, one request and one round trip less
+        (the rendezvous' ready key: at 16,384 ranks, a wave of 16,384 reads less on the
+        recovery's critical path, bench_scale). Its value is still signed."""
+        tag = hmac.new(self.token.encode(), b"name\0" + (self.prefix + key).encode(),
+                       hashlib.sha256).hexdigest()[:32]
+        return f"{key}/{tag}"
+
     def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """`read` of keys that exist (one round trip)."""
         return [self._verified(k, v) for k, v in zip(keys, self.store.multi_get(list(keys)))]

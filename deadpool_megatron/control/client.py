@@ -312,7 +312,8 @@ class ControlClient:
     def rendezvous(self, generation: int, world_size: int, rank: int,
                    waiter: SignedStore) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
-        The last to join writes the ready key, which everyone else is blocked on, on
+        The last to join writes the ready key (under a name only holders of the job token
+        can compute: its being set is authentic), which everyone else is blocked on, on
         `waiter`: the generation's own connection, which a newer declaration cuts, so the
         wait ends at once (the timeout only bounds a missed cut). An epoch that ends
         without a declaration (its hosts never all joined) leaves the waits to the
@@ -324,8 +325,9 @@ class ControlClient:
         if holder != self.worker:
             raise NotAMember(f"worker {self.worker} may not join generation {generation} as "
                              f"rank {rank}: the membership names {holder}")
+        ready = self.store.secret_name(keys.ready(generation))  # no forger can set it
         if self.store.add(keys.joined(generation), 1) >= world_size:
-            self.store.set(keys.ready(generation), "1")
+            self.store.set(ready, "1")
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -334,10 +336,8 @@ class ControlClient:
                 # of ranks rechecking every 0.5 s kept it busy for minutes (16,384
                 # simulated ranks, tools/bench_scale.py).
                 left = max(0.001, deadline - time.monotonic())
-                waiter.wait([keys.ready(generation)], timedelta(seconds=left))
-                if waiter.read_set(keys.ready(generation)) is not None:
-                    return True
-                time.sleep(FORGED_RECHECK_S)  # forged: wait for the real last joiner's
+                waiter.wait([ready], timedelta(seconds=left))
+                return True
             except dist.DistStoreError:  # timed out
                 pass
             except dist.DistNetworkError:  # cut: by a newer declaration, or the store is gone

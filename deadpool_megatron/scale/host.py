@@ -36,6 +36,7 @@ class SimHost:
     next_control: float = 0.0
     started_ns: int = field(default_factory=progress.now_ns)
     polls: int = 0
+    _views: tuple | None = None
 
     @classmethod
     def make(cls, node: int, ranks: range, spares: int, store: SignedView) -> "SimHost":
@@ -74,9 +75,12 @@ class SimHost:
 
     def views(self) -> dict[str, dict]:
         """Every live worker training (spares not yet: a spare's record has no stamp):
-        progress stamped moments ago, iteration by the clock."""
+        progress stamped moments ago, iteration by the clock. Made once per iteration:
+        a real host makes its own on a CPU of its own, the harness's hosts share two."""
         now = progress.now_ns()
         it = int((now - self.started_ns) / 1e9 / ITERATION_S)
+        if self._views is not None and self._views[0] == (it, len(self.exited)):
+            return self._views[1]
         out = {}
         for worker in self.workers:
             if worker in self.exited or worker in self.spares:
@@ -87,5 +91,6 @@ class SimHost:
                 where=progress.RUNNING, iteration_ns=int(ITERATION_S * 1e9), timeout_ns=0,
                 pid=1, generation=0)
             out[worker] = worker_view(rec, now, "S")
+        self._views = ((it, len(self.exited)), out)
         return out
 

@@ -24,6 +24,7 @@ are not made: their store requests are computed (scale/groups.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,12 @@ from deadpool_megatron.control.client import FORGED_RECHECK_S, SHUTDOWN_CHECK_S
 from deadpool_megatron.control.declaration import Declaration
 from deadpool_megatron.scale.signed import SignedView
 from deadpool_megatron.scale.wire import Tally, Waiter
+
+@functools.lru_cache(maxsize=64)
+def parsed(value: bytes) -> Declaration:
+    """Declaration.from_json, once per value in this process (see SignedView._verify)."""
+    return Declaration.from_json(value)
+
 
 RENDEZVOUS_S = 300.0  # DEADPOOL_CONTROL_TIMEOUT_S's default: the rendezvous' one wait
 
@@ -65,7 +72,7 @@ class SimMember:
         self.tally.greet()  # its main connection
         seen = 0
         while (value := await self.store.read(keys.declared(seen + 1), self.tally)):
-            self._keep(Declaration.from_json(value))
+            self._keep(parsed(value))
             seen += 1
         self.generation = seen
         self.tally.greet()  # the connection of its first generation, prepared
@@ -92,7 +99,7 @@ class SimMember:
             if value is None:
                 await asyncio.sleep(FORGED_RECHECK_S)  # forged: not a declaration
                 continue
-            self._keep(Declaration.from_json(value))
+            self._keep(parsed(value))
             if self.rank is None:
                 await self._assignment(nxt)
             else:
@@ -165,7 +172,7 @@ class SimMember:
         """ControlClient.declaration: kept, else read (CHECK, then torch's get)."""
         if generation not in self.declarations:
             value = await self.store.read(keys.declared(generation), self.tally)
-            self._keep(Declaration.from_json(value))
+            self._keep(parsed(value))
         return self.declarations[generation]
 
     async def _flush_of(self, generation: int) -> bool:
@@ -180,18 +187,11 @@ class SimMember:
         self.state = f"joining {generation}"
         members = (await self._declaration(generation)).members()
         assert members.get(self.rank) == self.worker, (self.worker, self.rank)
+        ready = self.store.secret_name(keys.ready(generation))
         if await self.store.add(keys.joined(generation), 1, self.tally) >= self.world:
-            self.store.set(keys.ready(generation), "1", self.tally)
+            self.store.set(ready, "1", self.tally)
         self.state = f"waiting {generation}"
-        deadline = time.monotonic() + RENDEZVOUS_S
-        while True:
-            left = max(0.001, deadline - time.monotonic())
-            if await self.waiter.wait([keys.ready(generation)], self.tally, left):
-                on_waiter = self.store.on(self.waiter.conn)
-                if await on_waiter.read_set(keys.ready(generation), self.tally) is not None:
-                    break
-                await asyncio.sleep(FORGED_RECHECK_S)  # forged: the real one follows
-            await self.store.read(keys.SHUTDOWN, self.tally)
+        await self.waiter.wait([ready], self.tally, RENDEZVOUS_S)
         self.generation = generation
         self.state = f"joined {generation}"
         self.joined.append(Joined(generation, time.monotonic()))

@@ -171,13 +171,13 @@ class _Process:
         host.exit(member.worker, -9)
         phase = host.tally.phase
         host.tally.phase = "exit"
-        asyncio.ensure_future(self._report_exit(host, phase))
+        asyncio.ensure_future(self._report_exit(host, phase, time.monotonic()))
 
-    async def _report_exit(self, host: SimHost, phase: str) -> None:
+    async def _report_exit(self, host: SimHost, phase: str, killed_at: float) -> None:
         """The launcher, woken by SIGCHLD, polls at once."""
         await host.poll(time.monotonic(), reporting=False)
         host.tally.phase = phase
-        self.pipe.send(("killed", time.monotonic()))
+        self.pipe.send(("killed", killed_at))
 
     def _collect(self, phase: str) -> dict:
         out: dict = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAGIC = 0x3C85F7CE  # torch's validation number, sent first on every connection
@@ -33,20 +32,36 @@ _U32 = struct.Struct("<I")
 BYTE, INT, NONCE, VECTOR = "byte", "int", "nonce", "vector"
 
 
-@dataclass
 class Tally:
-    """Requests and bytes of one member (or host), by what it was doing."""
+    """Requests and bytes of one member (or host), by what it was doing (`phase`)."""
 
-    requests: collections.Counter = field(default_factory=collections.Counter)
-    sent: collections.Counter = field(default_factory=collections.Counter)
-    received: collections.Counter = field(default_factory=collections.Counter)
-    phase: str = "start"
-    trace: list[tuple[str, str]] | None = None  # (query, key) of each request, if kept
+    __slots__ = ("_phase", "_requests", "_bytes", "_done", "trace")
+
+    def __init__(self, trace: list[tuple[str, str]] | None = None) -> None:
+        self._phase = "start"
+        self._requests = self._bytes = 0  # under the current phase
+        self._done: dict[str, list[int]] = {}  # phase -> [requests, bytes], phases left
+        self.trace = trace  # (query, key) of each request, if kept
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._close()
+        self._phase = name
+
+    def _close(self) -> None:
+        if self._requests or self._bytes:
+            kept = self._done.setdefault(self._phase, [0, 0])
+            kept[0] += self._requests
+            kept[1] += self._bytes
+            self._requests = self._bytes = 0
 
     def count(self, requests: int, sent: int, received: int = 0) -> None:
-        self.requests[self.phase] += requests
-        self.sent[self.phase] += sent
-        self.received[self.phase] += received
+        self._requests += requests
+        self._bytes += sent + received
 
     def greet(self) -> None:
         """A connection the member opens but the harness does not (VALIDATE, PING)."""
@@ -56,9 +71,9 @@ class Tally:
 
     def take(self, phase: str) -> tuple[int, int]:
         """(requests, bytes both ways) counted under `phase`, then forgotten."""
-        out = (self.requests.pop(phase, 0),
-               self.sent.pop(phase, 0) + self.received.pop(phase, 0))
-        return out
+        self._close()
+        requests, nbytes = self._done.pop(phase, (0, 0))
+        return requests, nbytes
 
 
 def full_key(prefix: str, key: str) -> bytes:
