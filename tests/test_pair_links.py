@@ -80,6 +80,51 @@ def test_new_group_calls_per_rank_at_16k_ranks() -> None:
         assert set(links) == {(rank + rpn) % world, (rank - rpn) % world}
 
 
+def test_at_16k_ranks_a_rank_makes_its_two_groups_and_asks_the_world_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a world of 16,384 ranks (torch's fake backend, its store a counting one), the real
+    connect: no new_group call, two real two-rank groups registered in torch's world (the
+    pair groups made as on a GPU job, on the fake backend: no peer process here), and
+    nothing asked of the store but what those two groups ask."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from deadpool_megatron.config import TrainConfig
+    from deadpool_megatron.faults.injector import FaultInjector
+    from deadpool_megatron.ft_config import DeadPoolConfig
+    from deadpool_megatron.metrics.events import EventLog
+    from deadpool_megatron.reconstruct import pair_group as pair_mod
+    from deadpool_megatron.reconstruct.spare import _register_local_backend
+    from deadpool_megatron.scale.counting import CountingStore
+    from deadpool_megatron.snapshot import engine as engine_mod
+
+    world, rpn, rank = 16384, 8, 8195
+    _register_local_backend()
+    store = CountingStore(dist.HashStore())
+    dist.init_process_group(dist.Backend.FAKE, store=store, rank=rank, world_size=world)
+    try:
+        before = dict(store.requests)
+        monkeypatch.setattr(engine_mod.dist, "new_group", lambda *a, **k: pytest.fail(
+            "new_group: every rank of the world would call it"))
+        monkeypatch.setattr(engine_mod, "pair_group", functools.partial(
+            pair_mod.pair_group, backend=dist.Backend.FAKE))
+        eng = engine_mod.SnapshotEngine(
+            TrainConfig(distributed_backend="gloo"),
+            DeadPoolConfig(deadpool=True, deadpool_ranks_per_node=rpn),
+            FaultInjector([], rank), EventLog(None, rank))
+        eng.connect()
+        groups = {id(g): g for g in eng.links.values()}.values()
+        assert sorted(sorted(dist.get_process_group_ranks(g)) for g in groups) == \
+            [[rank - rpn, rank], [rank, rank + rpn]]
+        assert sorted(c10d._world.pg_names[g] for g in groups) == \
+            [f"deadpool_snapshot_{rank - rpn}_{rank}", f"deadpool_snapshot_{rank}_{rank + rpn}"]
+        assert dict(store.requests) == before  # the fake backend's groups ask nothing
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_colouring_forms_every_ring_in_three_rounds() -> None:
     """pair_links alone (no engine), over rings of every length up to 40 and two node
     sizes: all pairs formed, at most three rounds; a fixed order of ranks would chain."""

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 
-def pair_group(ranks: tuple[int, int], name: str, timeout: timedelta,
-               group_desc: str) -> dist.ProcessGroup:
+def pair_group(ranks: tuple[int, int], name: str, timeout: timedelta, group_desc: str,
+               backend: str = dist.Backend.GLOO) -> dist.ProcessGroup:
     """The gloo group of `ranks` (this rank and one peer), called by those two only.
-    `name` must be the same on both and unique among this generation's groups."""
+    `name` must be the same on both and unique among this generation's groups. (`backend`:
+    torch's "fake" one in tests, where the peer is not a process.)"""
     members = sorted(ranks)
     rank = dist.get_rank()
     if len(set(members)) != 2 or rank not in members:
@@ -35,7 +36,7 @@ def pair_group(ranks: tuple[int, int], name: str, timeout: timedelta,
     default = c10d._get_default_group()
     _, default_store = c10d._world.pg_map[default]
     group, _ = c10d._new_process_group_helper(
-        2, members.index(rank), members, dist.Backend(dist.Backend.GLOO), default_store,
+        2, members.index(rank), members, dist.Backend(backend), default_store,
         c10d.GroupName(name) if hasattr(c10d, "GroupName") else name, timeout=timeout,
         group_desc=group_desc)
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(members)}
