@@ -5,6 +5,8 @@ setup(
     version="0.1.0",
     description="Hot-swap fault tolerance for Megatron-Core training (DeadPool method).",
     packages=find_packages(include=["deadpool_megatron", "deadpool_megatron.*"]),
+    # the goodput simulator's calibration input (tools/bench_recovery.py's measurement)
+    package_data={"deadpool_megatron.goodput": ["measured/*.json"]},
     python_requires=">=3.11",
     # megatron-core 0.19.2 declares Python >=3.12; on 3.11 install it with
     # `pip install --no-deps --ignore-requires-python megatron-core==0.19.2` (tools/setup_env.sh).

@@ -72,7 +72,7 @@ def _member(tp: int, log: list[str]):
     member = Member(cfg=TrainConfig(distributed_backend="nccl", tensor_model_parallel_size=tp),
                     ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=2,
                     cpu_rehearsal=False, events=types.SimpleNamespace(emit=lambda *a, **k: None),
-                    engine=engine, ledger=ledger, injector=None, dataset=None, generation=4)
+                    engine=engine, ledger=ledger, injector=None, generation=4)
     member.sockets_before = _sockets_now()  # nothing of this test process is cut
     return member
 

@@ -43,16 +43,17 @@ def test_the_device_is_the_launcher_slot_and_a_spare_beyond_the_gpus_is_refused(
 
 
 def test_the_training_thread_sets_the_process_device() -> None:
-    from deadpool_megatron.training.elastic import GenerationThread
     from deadpool_megatron.training.main import thread_context
+    from deadpool_megatron.training.training_thread import TrainingThread
 
     seen: list[int] = []
     with FakeCuda(devices=8) as cuda:
         device = ProcessDevice(SLOT)
         device.bind()  # the main thread's, as main() does
-        thread = GenerationThread(lambda stops: seen.append(torch.cuda.current_device()),
-                                  thread_context(device, None))
-        thread.run(threading.Event())
+        thread = TrainingThread(lambda t: seen.append(torch.cuda.current_device()),
+                                thread_context(device, None))
+        thread.start()
+        assert thread.wait(threading.Event()) is None  # the body ended
         assert cuda.devices_of("MainThread", "set_device") == {SLOT}
     assert seen == [SLOT]
 

@@ -82,10 +82,13 @@ class GenerationStore:
 
 
 def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: int,
-                    cfg: TrainConfig, laps: Callable[[str], None] = lambda name: None,
+                    cfg: TrainConfig,
+                    make_groups: Callable[[timedelta], None] | None = None,
+                    laps: Callable[[str], None] = lambda name: None,
                     on_store: Callable[[GenerationStore], None] = lambda store: None,
                     after_default_group: Callable[[], None] = lambda: None) -> bool:
-    """Rendezvous of one generation, then the default and every Megatron group.
+    """Rendezvous of one generation, then the default and every Megatron group
+    (`make_groups(timeout)`, by default ours for `cfg`).
 
     False if a newer generation was declared while waiting (a failure during recovery).
     The groups are created with a timeout of at most REBUILD_TIMEOUT_S (a peer that died
@@ -107,7 +110,10 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                             world_size=world_size, timeout=rebuild)
     laps("default_group")
     after_default_group()
-    init_megatron_groups(cfg, timeout=rebuild)
+    if make_groups is not None:
+        make_groups(rebuild)
+    else:
+        init_megatron_groups(cfg, timeout=rebuild)
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(job_timeout, group)
     laps("megatron_groups")

@@ -25,7 +25,8 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from datetime import timedelta
+from typing import Any, Callable, Protocol
 
 
 from deadpool_megatron.config import TrainConfig
@@ -97,7 +98,6 @@ class Member:
     engine: SnapshotEngine
     ledger: MicrobatchLedger
     injector: FaultInjector
-    dataset: Any
     generation: int = 0
     bound: int = -1  # the generation whose groups the live objects hold
     state: LoopState | None = None
@@ -116,6 +116,10 @@ class Member:
     # missed) must fail too, not hang on sockets that were never cut.
     sockets_before: frozenset[int] | None = None
     device: ProcessDevice = CPU  # set in each thread here that may touch CUDA
+    # This generation's model-parallel groups, over its default group (the training loop's
+    # way: ours, or Megatron-LM's own initialisation); None: ours for `cfg`.
+    make_groups: Callable[[timedelta], None] | None = None
+    keeps_replicas: bool = True  # an intact replica keeps its gradients (recovery.leave)
 
     def cut(self) -> GenerationCut:
         """How this generation is cut loose (its NCCL communicators, its connections)."""
@@ -182,27 +186,20 @@ def _param_identity(objs: Any) -> list[tuple[int, int]]:
     return [(id(p), p.data_ptr()) for chunk in objs.model for p in chunk.parameters()]
 
 
-def build_fresh(member: Member) -> None:
-    """Every rank builds its objects together, as at the job's start (seeded random
-    initialisation, or the --load checkpoint): the start of generation 0, and a recovery
-    before any snapshot existed anywhere (nothing was trained: the start is reproduced)."""
-    from deadpool_megatron.integration.distributed import set_seeds
-    from deadpool_megatron.integration.model import build_training_objects
-
-    member.state, member.state_valid = None, False
-    gc.collect()  # a survivor's old objects go before the new ones are built
-    set_seeds(member.cfg.seed)
-    member.state = LoopState(iteration=0, consumed_samples=0,
-                             objects=build_training_objects(member.cfg, member.cpu_rehearsal))
-    if member.cfg.load:
-        member.checkpointer().load(member.state)
-    member.start_iteration = member.state.iteration
-    member.engine.attach(member.state.objects)
-    member.state_valid = True
-    member.bound = member.generation
-    member.registry = _kept_groups()
+def adopt(member: Member, state: LoopState, spare: bool) -> None:
+    """Take the objects the training thread just built: a fresh build of every rank (the
+    job's start, or a recovery before any snapshot existed: nothing was trained), or a
+    spare's, built alone for the failed coordinates (its groups are the local world's,
+    swapped for the real ones by the rebind)."""
+    member.state = state
+    member.engine.attach(state.objects, prefault=not spare)  # a spare's: on the recovery's path
+    member.registry = group_registry() if spare else _kept_groups()
     member.remember_identity()
     member.megatron_globals.prepare()
+    member.state_valid = not spare
+    if not spare:
+        member.start_iteration = state.iteration
+        member.bound = member.generation
 
 
 # -- leave --------------------------------------------------------------------------------
@@ -328,7 +325,8 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     member.generation = generation  # groups made from here on are this generation's
     member.ctl.watch(generation, lambda newer: interrupt(member))
     if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
-                           laps, on_store=lambda store: setattr(member, "gen_store", store),
+                           member.make_groups, laps,
+                           on_store=lambda store: setattr(member, "gen_store", store),
                            after_default_group=lambda: member.injector.fire("groups",
                                                                             generation)):
         return False
@@ -374,12 +372,13 @@ def _reachable(roots: list[Any]) -> list[Any]:
 
 
 # -- restore --------------------------------------------------------------------------------
-def restore(member: Member) -> RecoveryPlan:
+def restore(member: Member, rebuild: Callable[[], None]) -> RecoveryPlan:
     """Collective over the new generation: agree on the plan, move the shards the spares
-    need, and bring every rank to the target snapshot."""
+    need, and bring every rank to the target snapshot; `rebuild` builds every rank's objects
+    again as the job's start did (the plan of a failure before any snapshot existed)."""
     plan, sizes = agree(member, member.report())
     if plan.target == FRESH_START:
-        build_fresh(member)
+        rebuild()
         return plan
     if member.state is None:  # no objects to restore into: a spare replaces this rank
         raise CannotContinue(f"rank {member.rank} holds no training objects (its first "
@@ -497,7 +496,8 @@ def _apply(member: Member, plan: RecoveryPlan) -> None:
 
 
 # -- the whole way ----------------------------------------------------------------------
-def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = None,
+def enter(member: Member, generation: int, t0: float, rebuild: Callable[[], None],
+          peak: PeakRss | None = None,
           phases_ms: dict[str, float] | None = None) -> dict[int, MicrobatchWork]:
     """rejoin, rebind, restore; returns this rank's replay work."""
     lap = _Laps()
@@ -514,7 +514,7 @@ def enter(member: Member, generation: int, t0: float, peak: PeakRss | None = Non
     references = rebind(member) if member.state is not None else 0
     lap("rebind")
     member.stamp("recovery")
-    plan = restore(member)
+    plan = restore(member, rebuild)
     lap("restore")
     member.stamp("recovery")
     member.ctl.unwatch()  # formed: from here on, the training loop watches
@@ -594,14 +594,15 @@ def _durable_iteration(cfg: TrainConfig) -> int:
     return 0
 
 
-def recover(member: Member, training: StoppableThread | None) -> dict[int, MicrobatchWork]:
+def recover(member: Member, training: StoppableThread | None,
+            rebuild: Callable[[], None]) -> dict[int, MicrobatchWork]:
     """From a broken generation to the next one's replay."""
     t0 = time.perf_counter()
     peak = PeakRss()
     peak.start()
-    generation = leave(member, training)
+    generation = leave(member, training, keep_intact_replicas=member.keeps_replicas)
     flush_if_asked(member, generation)
-    return enter(member, generation, t0, peak,
+    return enter(member, generation, t0, rebuild, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})
 
 

@@ -9,20 +9,17 @@ backend, where every collective returns at once with this rank's own data, at th
 rank's exact coordinates (rank and world size give every Megatron group its size and this
 rank its place in it). The survivors never mirror a build, and the spare's build overlaps
 their leaving the old generation. Its groups are then swapped for the real ones exactly as a
-survivor's old groups are (rebind.py). No random initialisation, no optimizer step: the
-parameters are allocated uninitialised and the optimizer state as its first step would.
+survivor's old groups are (rebind.py). No optimizer step: the optimizer state is allocated as
+its first step would (snapshot/engine.py's attach). The build itself is the training loop's
+(training/driver.py): ours, or Megatron-LM's own `setup_model_and_optimizer`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.distributed as dist
-
-from deadpool_megatron.config import TrainConfig
-from deadpool_megatron.integration.model import TrainingObjects
-from deadpool_megatron.reconstruct.rebind import GroupKey, group_registry
 
 
 def _register_local_backend() -> None:
@@ -41,13 +38,23 @@ def _register_local_backend() -> None:
 @contextlib.contextmanager
 def local_world(rank: int, world_size: int) -> Iterator[None]:
     """A process-group world in which this process is `rank` of `world_size` and every
-    collective is answered locally."""
+    collective is answered locally. Every group made in it is local too, whatever backend
+    its maker names (Megatron-LM makes gloo duplicates of some groups)."""
     _register_local_backend()
     dist.init_process_group(dist.Backend.FAKE, store=dist.HashStore(), rank=rank,
                             world_size=world_size)
+    new_group = dist.new_group
+
+    def local_group(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = local_group  # type: ignore[assignment]
     try:
         yield
     finally:
+        dist.new_group = new_group  # type: ignore[assignment]
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
@@ -66,21 +73,3 @@ def warm_up_imports() -> None:
     from deadpool_megatron.integration import model  # noqa: F401
 
     _register_local_backend()
-
-
-def build_for_rank(
-    cfg: TrainConfig, rank: int, world_size: int, cpu_rehearsal: bool,
-) -> tuple[TrainingObjects, dict[GroupKey, dist.ProcessGroup]]:
-    """The objects of `rank`, built without peers, and the local groups they hold (by name,
-    for the swap to the real ones)."""
-    from deadpool_megatron.integration.distributed import init_megatron_groups, set_seeds
-    from deadpool_megatron.integration.model import build_training_objects
-    from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
-
-    with local_world(rank, world_size):
-        init_megatron_groups(cfg)
-        set_seeds(cfg.seed)  # registers the tensor-parallel RNG streams the restore sets
-        objs = build_training_objects(cfg, cpu_rehearsal, initialize=False)
-        allocate_optimizer_state(objs.optimizer)
-        registry = group_registry()
-    return objs, registry

@@ -1,0 +1,322 @@
+"""The generation loop of a worker under deadpool-launch, the one both training loops use:
+our pretrain_gpt.py's (training/elastic.py) and Megatron-LM's own (integration/
+megatron_lm_elastic.py). Each is a `TrainingLoop`: how it makes a generation's groups and
+what its training thread runs; everything else is here, once.
+
+    a spare      waits for a rank; builds that rank's objects alone (a local world at the
+                 rank's coordinates); enters the generation that gave it the rank
+    a worker     joins generation 0 and builds its objects with every other rank
+    then         trains; on a failure: leave -> rejoin -> rebind -> restore (reconstruct/
+                 recovery.py) -> the training thread resumes with the replay's work
+
+The training thread lives as long as the worker (training_thread.py): a survivor keeps its
+objects across recoveries. The main thread watches declarations and does every step of a
+recovery. A rank's own error makes it leave the job (a spare replaces it); a peer's failure
+is recovered from; a failure during a recovery starts the recovery again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from functools import partial
+from typing import Any, Callable, ContextManager, Protocol
+
+from deadpool_megatron.control.client import ControlClient, JobShutdown, NotAMember
+from deadpool_megatron.control.failures import caused_by_a_peer
+from deadpool_megatron.control.policy import RecoveryImpossible
+from deadpool_megatron.faults.injector import FaultInjector
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.metrics.errors import without_frames
+from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.reconstruct.recovery import (STOP_TIMEOUT_S, CannotContinue,
+                                                    JobFlushed, Member)
+from deadpool_megatron.replay.ledger import ReductionBarrier
+from deadpool_megatron.training.training_thread import (GenerationBroken, TrainingThread,
+                                                        Work)
+
+log = logging.getLogger("deadpool_megatron.elastic")
+
+
+class TrainingLoop(Protocol):
+    """What the generation loop needs of a training loop."""
+
+    def make_groups(self, timeout: timedelta) -> None:
+        """This generation's model-parallel groups, over the default group just made."""
+
+    def body(self, member: Member, thread: TrainingThread) -> Any:
+        """The training thread: build the objects in the world at hand (a generation's, or
+        a spare's local one; `thread.spare` says which), `thread.built(state)`, then
+        `thread.generations(...)` with `generation_hooks`."""
+
+    def prepare_spare(self) -> None:
+        """What a spare can do before it knows its rank (imports)."""
+
+
+def run_worker(ctl: ControlClient, new_member: Callable[[int, int], Member],
+               loop: TrainingLoop, thread_context: Callable[[], ContextManager]) -> int:
+    """The worker's whole life under deadpool-launch; its exit code (0: training done, or a
+    spare never needed)."""
+    try:
+        if ctl.is_spare:
+            loop.prepare_spare()
+            log.info("spare %s ready (imports done); waiting for an assignment", ctl.worker)
+            generation, rank = ctl.wait_for_assignment()
+        else:
+            generation, rank = 0, int(os.environ["RANK"])
+    except JobShutdown as end:
+        log.info("spare %s released: %s", ctl.worker, end)
+        return 0
+    return _Driver(new_member(rank, generation), loop, thread_context).run()
+
+
+class _Driver:
+    def __init__(self, member: Member, loop: TrainingLoop,
+                 thread_context: Callable[[], ContextManager]) -> None:
+        self.member, self.loop, self.context = member, loop, thread_context
+        self.thread: TrainingThread | None = None
+        member.make_groups = loop.make_groups
+
+    def run(self) -> int:
+        member, ctl = self.member, self.member.ctl
+        t0 = time.perf_counter()
+        work: Work = {}
+        try:
+            if ctl.is_spare:
+                self._build_alone(t0)
+                work = self._enter(member.generation, t0)
+            else:
+                from deadpool_megatron.reconstruct.recovery import rejoin
+
+                if not rejoin(member, 0):
+                    raise GenerationBroken("a new generation was declared before the job "
+                                           "started")
+                ctl.unwatch()
+                self._build_together()
+                if member.rank == 0:
+                    ctl.publish_replica_sources(member.engine.replica_sources())
+        except JobShutdown as end:
+            log.error("rank %d: job ended by the launcher: %s", member.rank, end)
+            return 1
+        except JobFlushed as flushed:
+            log.warning("%s", flushed)
+            return 0
+        except Exception as err:  # noqa: BLE001 - a failure while joining or building
+            if not caused_by_a_peer(err):
+                return leave_job(member, err, traceback.format_exc())
+            work = self._recover(without_frames(err))
+
+        while True:
+            declared = threading.Event()
+            try:
+                ctl.watch(member.generation, lambda g: declared.set())
+                self.thread.resume(work)
+                stopped = self.thread.wait(declared)
+                if stopped is None:  # training is done
+                    ctl.unwatch()
+                    ctl.mark_done()
+                    from deadpool_megatron.integration.distributed import (
+                        destroy_process_groups,
+                    )
+
+                    destroy_process_groups()
+                    return 0
+                if stopped.error is None:
+                    raise RuntimeError("the training thread parked without an error")
+                raise stopped.error
+            except JobShutdown as end:
+                log.error("rank %d: job ended by the launcher: %s", member.rank, end)
+                return 1
+            except (RecoveryImpossible, CannotContinue, NotAMember) as err:
+                return leave_job(member, err)
+            except Exception as err:  # noqa: BLE001 - a peer's failure, or this rank's own
+                ctl.unwatch()
+                if not declared.is_set() and not caused_by_a_peer(err):
+                    return leave_job(member, err, self._error_text())
+                broken = without_frames(err)
+            # Outside the except block: an error of this rank's own during the recovery must
+            # not carry the peer's error as its context (it would read as a peer's).
+            work = self._recover(broken)
+
+    def _error_text(self) -> str:
+        thread = self.thread
+        if thread is None:
+            return ""
+        return thread.parked.text if thread.parked is not None else thread.error_text
+
+    # -- building ---------------------------------------------------------------------------
+    def _start_thread(self, spare: bool) -> LoopState:
+        """A training thread runs the loop's body until its objects are built."""
+        from deadpool_megatron.reconstruct.recovery import adopt
+
+        self.thread = TrainingThread(partial(self.loop.body, self.member), self.context,
+                                     spare=spare)
+        self.thread.start()
+        stopped = self.thread.wait(threading.Event())
+        if stopped is None or stopped.error is not None or self.thread.state is None:
+            raise RuntimeError(f"rank {self.member.rank}: the training loop ended before its "
+                               f"objects were built")
+        adopt(self.member, self.thread.state, spare)
+        return self.thread.state
+
+    def _build_together(self) -> None:
+        """Every rank builds its objects, as at the job's start (seeded initialisation, or
+        the --load checkpoint). A previous thread, parked, leaves its body first."""
+        old = self.thread
+        if old is not None and not old.ended and not old.abandon(STOP_TIMEOUT_S):
+            raise CannotContinue(f"rank {self.member.rank}: the training thread did not leave "
+                                 f"its objects within {STOP_TIMEOUT_S:.0f} s, at:\n"
+                                 f"{old.where()}")
+        self.member.state, self.member.state_valid = None, False
+        import gc
+
+        gc.collect()  # a survivor's old objects go before the new ones are built
+        self._start_thread(spare=False)
+
+    def _build_alone(self, t0: float) -> None:
+        """A spare: the failed rank's objects, in a local world at its coordinates."""
+        from deadpool_megatron.reconstruct.groups import REBUILD_TIMEOUT_S
+        from deadpool_megatron.reconstruct.spare import local_world
+
+        member = self.member
+        with local_world(member.rank, member.world):
+            self.loop.make_groups(timedelta(seconds=REBUILD_TIMEOUT_S))
+            self._start_thread(spare=True)
+        log.info("spare %s takes rank %d (generation %d); built its objects alone in %.0f ms",
+                 member.ctl.worker, member.rank, member.generation,
+                 1e3 * (time.perf_counter() - t0))
+
+    # -- recovering ------------------------------------------------------------------------
+    def _enter(self, generation: int, t0: float) -> Work:
+        from deadpool_megatron.reconstruct.recovery import enter
+
+        return enter(self.member, generation, t0, self._build_together)
+
+    def _recover(self, err: BaseException) -> Work:
+        """Recover, again and again while failures strike during recovery."""
+        from deadpool_megatron.reconstruct.recovery import recover
+
+        member = self.member
+        while True:
+            self._flush_if_control_lost()
+            log.warning("rank %d: generation %d broken (%s); recovering", member.rank,
+                        member.generation,
+                        str(err).splitlines()[0][:160] if str(err) else type(err).__name__)
+            try:
+                return recover(member, self._stoppable(), self._build_together)
+            except JobFlushed as flushed:
+                log.warning("%s", flushed)
+                _exit(0)
+            except BaseException as again:  # noqa: BLE001 - sorted out below
+                self._flush_if_control_lost()
+                if isinstance(again, (JobShutdown, TimeoutError)):
+                    log.error("rank %d: no recovery: %s", member.rank, again)
+                    _exit(1)
+                if isinstance(again, (RecoveryImpossible, CannotContinue, NotAMember)):
+                    _exit(leave_job(member, again))
+                if not isinstance(again, Exception) or not caused_by_a_peer(again):
+                    _exit(leave_job(member, again, traceback.format_exc()))
+                err = without_frames(again)
+
+    def _stoppable(self) -> TrainingThread | None:
+        thread = self.thread
+        return thread if thread is not None and not thread.ended else None
+
+    def _flush_if_control_lost(self) -> None:
+        """Without the control plane no recovery can be declared: flush and leave."""
+        from deadpool_megatron.reconstruct.recovery import flush_alone
+
+        if self.member.ctl.control_lost.is_set():
+            flush_alone(self.member, self._stoppable())
+            _exit(1)
+
+
+# -- what every generation's training runs ----------------------------------------------------
+class IterationEvents(TrainingHooks):
+    """Marks each completed iteration (recovery timelines, time lost), and after a recovery
+    the end of the replay with the micro-batches it really computed."""
+
+    def __init__(self, member: Member, last_replayed: int | None) -> None:
+        self.member, self.last = member, last_replayed
+        self.computed_before = member.ledger.computed
+        self.started = time.time()
+
+    def on_iteration_start(self, state: LoopState) -> None:
+        self.started = time.time()  # the iteration's span on this rank (metrics/report.py)
+
+    def after_iteration(self, state: LoopState) -> None:
+        self.member.events.emit("step_completed", iteration=state.iteration,
+                                started=self.started)
+        if state.iteration == self.last:
+            self.member.events.emit(
+                "replay_done", iteration=state.iteration,
+                microbatches_computed=self.member.ledger.computed - self.computed_before)
+
+
+def _reduction_barrier() -> Callable[[], None] | None:
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        return None
+    return lambda: dist.barrier(group=ps.get_data_parallel_group(with_context_parallel=True))
+
+
+def generation_hooks(member: Member, stops: TrainingHooks, work: Work) -> list[TrainingHooks]:
+    """The hooks of one generation's training, in order: progress stamps, the ledger (first
+    to record), the stop points, the injector, the snapshot engine, the data-parallel
+    barrier before the reduction (last at before_grad_reduction), the iteration events.
+    Made in the training thread once the generation's groups exist."""
+    hooks: list[TrainingHooks] = [member.ledger, stops, member.injector.hooks(), member.engine]
+    if member.progress is not None:
+        hooks.insert(0, member.progress.hooks())
+    barrier = _reduction_barrier()
+    if barrier is not None:
+        hooks.append(ReductionBarrier(barrier))
+    hooks.append(IterationEvents(member, max(work) if work else None))
+    return hooks
+
+
+def member_injector(ft: DeadPoolConfig, ctl: ControlClient, rank: int, sizes: object,
+                    world: int, events: EventLog) -> FaultInjector:
+    """The fault injector of a worker under deadpool-launch. Faults belong to the original
+    workers of the first launch: neither a spare taking a rank nor a restart from the
+    checkpoint re-fires them; `deadpool-inject` reaches every worker (faults/remote.py)."""
+    from deadpool_megatron.faults.spec import parse_fault, target_ranks
+
+    first_epoch = os.environ.get("DEADPOOL_EPOCH", "0") == "0"
+    faults = [parse_fault(s) for s in ft.deadpool_inject]
+    mine = [] if ctl.is_spare or not first_epoch else [
+        f for f in faults if rank in target_ranks(f, sizes, ft.ranks_per_node(world))]
+    injector = FaultInjector(mine, rank, events)
+    injector.follow_control(ctl.store, ctl.worker)
+    return injector
+
+
+def leave_job(member: Member, err: BaseException, details: str = "") -> int:
+    """This rank cannot go on (its own error, or it cannot take part): say why, with the
+    traceback, and leave at once; the launcher sees the exit and a spare replaces it."""
+    from deadpool_megatron.reconstruct.groups import leave_generation
+
+    reason = f"{type(err).__name__}: {err}"
+    log.error("rank %d: leaving the job: %s%s", member.rank, reason,
+              f"\n{details.rstrip()}" if details else "")
+    member.ctl.report_failure(reason[:2000])
+    running = member.ledger.entry.iteration if member.ledger.entry is not None else None
+    member.events.emit("rank_failed", reason=reason[:300], iteration=running)
+    leave_generation()
+    return 3 if isinstance(err, RecoveryImpossible) else 1
+
+
+def _exit(code: int) -> None:
+    """Threads of broken generations may still sit in gloo; their groups' destructors would
+    block the interpreter's shutdown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
