@@ -1,6 +1,7 @@
 """The control plane's connections: the store server listens on the address it is given
-only, and a generation's group rendezvous gets a connection opened ahead of need, whose
-sockets (and only those) a newer declaration cuts."""
+only, and a generation's group rendezvous keeps its connection from one generation to the
+next until a newer declaration cuts it (those sockets only), then takes one opened ahead
+of need."""
 
 from __future__ import annotations
 
@@ -45,32 +46,35 @@ opened = []
 real_open = ctl._open
 ctl._open = lambda: opened.append(1) or real_open()
 before = set(sockets_to(server.port))
-ctl.prepare_connection()  # as when a generation has formed
+ctl.prepare_connection()  # as when a generation has formed: a spare one, for after a cut
 deadline = time.monotonic() + 10
 while len(set(sockets_to(server.port)) - before) < 1 and time.monotonic() < deadline:
     time.sleep(0.01)
 appeared = set(sockets_to(server.port)) - before
 time.sleep(0.1)
-n_open = len(opened)
-nxt, nxt_fds = ctl.take_connection()  # the next generation's: nothing opens now
-assert len(opened) == n_open == 1, opened
+again, again_fds = ctl.take_connection()  # the next generation, nothing cut: the same one
+assert again is first and again_fds == first_fds and len(opened) == 1, (again_fds, opened)
+for fd in first_fds:  # what a newer declaration does to it (GenerationStore.cut)
+    cut = socket.socket(fileno=os.dup(fd))
+    cut.shutdown(socket.SHUT_RDWR)
+    cut.close()
+ctl.connection_cut()
+nxt, nxt_fds = ctl.take_connection()  # after the cut: the spare one, nothing opens now
+assert len(opened) == 1, opened
 assert len(first_fds) == 1 and set(nxt_fds) == appeared and len(appeared) == 1, (first_fds, nxt_fds, appeared)
-first.set("k", "v")
-cut = socket.socket(fileno=nxt_fds[0])  # what a newer declaration does to it
-cut.shutdown(socket.SHUT_RDWR)
-cut.detach()
 try:
-    nxt.get("k")
+    first.get("k")
     raise AssertionError("a cut connection still answered")
 except dist.DistError:
     pass
-assert first.get("k") == b"v" and ctl.store.read(keys.members(0)) == b"{}"  # others untouched
+nxt.set("k", "v")
+assert nxt.get("k") == b"v" and ctl.store.read(keys.members(0)) == b"{}"  # others untouched
 print("ok", flush=True)
 os._exit(0)
 """
 
 
-def test_a_generation_takes_the_connection_prepared_for_it() -> None:
+def test_a_generation_keeps_its_connection_until_cut_then_takes_the_prepared_one() -> None:
     run = subprocess.run([sys.executable, "-c", TAKE], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

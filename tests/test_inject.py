@@ -86,58 +86,88 @@ class _Store:
             self.add(keys.INJECTS, 1)
 
 
-def _nudge() -> None:
-    """What the worker's launcher sends (remote.NUDGE); the handler runs in this (main)
-    thread at the next bytecode boundary."""
-    from deadpool_megatron.faults.remote import NUDGE
+def test_a_worker_arms_the_requests_aimed_at_it_at_an_iteration_boundary(
+        tmp_path: Path) -> None:
+    from deadpool_megatron.faults.nudge import nudge
 
-    os.kill(os.getpid(), NUDGE)
-    time.sleep(0.01)
-
-
-def test_a_worker_arms_the_requests_aimed_at_it_at_an_iteration_boundary() -> None:
     store = _Store()
     injector = FaultInjector([], rank=3)
-    previous = signal.getsignal(signal.SIGUSR2)
-    try:
-        injector.follow_control(store, "s0.1")
-        store.request(1, "raise rank=3", ["s0.1"])
-        store.request(2, "raise rank=4 iter=9", ["w4"])  # another worker's
-        store.request(3, "kill rank=3", ["s0.1"], delivery="signal")  # its launcher's
-        store.request(4, "raise rank=3 iter=2", ["s0.1"])  # already past at iteration 5
-        assert injector.pending("forward", 5) is None  # nothing read yet: no round trip here
-        injector.learn(5)  # the first boundary reads, nudged or not
-        assert str(injector.pending("forward", 5)) == "raise rank=3"
-        assert injector.pending("snapshot", 5) is None  # only the training loop's phases
-        with pytest.raises(RuntimeError, match="injected fault on rank 3"):
-            injector.fire("forward", 5)
-        assert injector.pending("forward", 6) is None  # fired once
-        # Without a nudge from the launcher the store is not read at all.
-        store.request(5, "raise rank=3 iter=7 phase=forward", ["s0.1"])
-        calls: list[str] = []
-        store.add = lambda key, amount, add=store.add: calls.append(key) or add(key, amount)
-        injector.learn(6)
-        assert calls == [] and injector.pending("forward", 7) is None
-        _nudge()
-        injector.learn(6)
-        assert calls == [keys.INJECTS]
-        assert str(injector.pending("forward", 7)) == "raise rank=3 iter=7 phase=forward"
-        # An id handed out but not yet written stops the read there; the worker looks
-        # again at each boundary (no new nudge needed) until it is written.
-        store.add(keys.INJECTS, 1)
-        store.request(7, "raise rank=3 iter=8 phase=backward", ["s0.1"])
-        _nudge()
-        injector.learn(7)
-        assert injector.pending("backward", 8) is None
-        store.request(6, "raise rank=3 iter=8 phase=forward", ["s0.1"], bump=False)
-        injector.learn(7)
-        assert str(injector.pending("forward", 8)) == "raise rank=3 iter=8 phase=forward"
-        assert str(injector.pending("backward", 8)) == "raise rank=3 iter=8 phase=backward"
-        calls.clear()
-        injector.learn(8)  # all read: quiet again
-        assert calls == []
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
+    word = str(tmp_path / "w.nudge")
+    injector.follow_control(store, "s0.1", nudge_path=word)
+    store.request(1, "raise rank=3", ["s0.1"])
+    store.request(2, "raise rank=4 iter=9", ["w4"])  # another worker's
+    store.request(3, "kill rank=3", ["s0.1"], delivery="signal")  # its launcher's
+    store.request(4, "raise rank=3 iter=2", ["s0.1"])  # already past at iteration 5
+    assert injector.pending("forward", 5) is None  # nothing read yet: no round trip here
+    injector.learn(5)  # the first boundary reads, nudged or not
+    assert str(injector.pending("forward", 5)) == "raise rank=3"
+    assert injector.pending("snapshot", 5) is None  # only the training loop's phases
+    with pytest.raises(RuntimeError, match="injected fault on rank 3"):
+        injector.fire("forward", 5)
+    assert injector.pending("forward", 6) is None  # fired once
+    # Without a nudge from the launcher the store is not read at all.
+    store.request(5, "raise rank=3 iter=7 phase=forward", ["s0.1"])
+    calls: list[str] = []
+    store.add = lambda key, amount, add=store.add: calls.append(key) or add(key, amount)
+    injector.learn(6)
+    assert calls == [] and injector.pending("forward", 7) is None
+    assert nudge(word)  # what the worker's launcher does
+    injector.learn(6)
+    assert calls == [keys.INJECTS]
+    assert str(injector.pending("forward", 7)) == "raise rank=3 iter=7 phase=forward"
+    # An id handed out but not yet written stops the read there; the worker looks
+    # again at each boundary (no new nudge needed) until it is written.
+    store.add(keys.INJECTS, 1)
+    store.request(7, "raise rank=3 iter=8 phase=backward", ["s0.1"])
+    nudge(word)
+    injector.learn(7)
+    assert injector.pending("backward", 8) is None
+    store.request(6, "raise rank=3 iter=8 phase=forward", ["s0.1"], bump=False)
+    injector.learn(7)
+    assert str(injector.pending("forward", 8)) == "raise rank=3 iter=8 phase=forward"
+    assert str(injector.pending("backward", 8)) == "raise rank=3 iter=8 phase=backward"
+    calls.clear()
+    injector.learn(8)  # all read: quiet again
+    assert calls == []
+
+
+@pytest.mark.parametrize("thread", ["main", "training"])
+def test_a_training_thread_asks_the_store_nothing_per_iteration(tmp_path: Path,
+                                                                thread: str) -> None:
+    """Counted: 100 iteration boundaries of a training thread (the main thread, or one of
+    its own, as training/elastic.py runs it), the injector set up from that thread: one
+    store request at the first boundary, then one per nudge only."""
+    import threading
+
+    from deadpool_megatron.faults.nudge import nudge
+
+    store = _Store()
+    calls: list[str] = []
+    store.add = lambda key, amount, add=store.add: calls.append(key) or add(key, amount)
+    word = str(tmp_path / "w.nudge")
+    seen: list[int] = []
+
+    def train() -> None:
+        injector = FaultInjector([], rank=0)
+        injector.follow_control(store, "w0", nudge_path=word)
+        for iteration in range(1, 101):
+            if iteration == 50:
+                nudge(word)
+            injector.hooks().on_iteration_start(_State(iteration - 1))
+        seen.append(len(calls))
+
+    if thread == "main":
+        train()
+    else:
+        t = threading.Thread(target=train)
+        t.start()
+        t.join(30)
+    assert seen == [2]
+
+
+class _State:
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
 
 
 def test_an_id_never_written_is_skipped_after_the_grace() -> None:
@@ -361,7 +391,7 @@ def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
     server = store_server("127.0.0.1", 0, timeout_s=30)
     store = SignedStore(server, new_token(), keys.epoch_prefix(0))
     workers = LocalWorkers(LaunchConfig(nproc_per_node=2), ["sleep", "60"], store,
-                           server.port, 2, 0, str(tmp_path))
+                           server.port, 2, 0, str(tmp_path), follow_s=0.0)  # every poll
     proc = subprocess.Popen(["sleep", "60"])
     workers.procs = {"w1": proc}
     try:
@@ -385,45 +415,38 @@ def test_a_launcher_sends_the_signal_asked_for_once(tmp_path: Path) -> None:
         workers.stop(0)
 
 
-def test_a_launcher_nudges_a_worker_only_once_it_catches_the_nudge(tmp_path: Path) -> None:
-    """A worker-delivered request (raise, iter=, phase=) reaches its worker as NUDGE from its
-    launcher; a process without a handler for it (still starting) is not sent it, since
-    its default action would end the process."""
+def test_a_launcher_nudges_a_worker_only_once_it_looks(tmp_path: Path) -> None:
+    """A worker-delivered request (raise, iter=, phase=) reaches its worker as a nudge from
+    its launcher (its counter moves); a worker that has not made its counter yet (still
+    starting) is not nudged: it reads the store at its first boundary anyway."""
     from deadpool_megatron.control.auth import SignedStore, new_token
     from deadpool_megatron.control.sockets import store_server
     from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.faults.nudge import NudgeWord
     from deadpool_megatron.launch.workers import LocalWorkers
 
     server = store_server("127.0.0.1", 0, timeout_s=30)
     store = SignedStore(server, new_token(), keys.epoch_prefix(0))
     workers = LocalWorkers(LaunchConfig(nproc_per_node=2), ["sleep", "60"], store,
-                           server.port, 2, 0, str(tmp_path))
-    nudged = tmp_path / "nudged"
-    catcher = subprocess.Popen([sys.executable, "-c", (
-        "import signal, sys, time\n"
-        f"signal.signal(signal.SIGUSR2, lambda *_: open({str(nudged)!r}, 'a').write('n'))\n"
-        "print('ready', flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+                           server.port, 2, 0, str(tmp_path), follow_s=0.0)  # every poll
+
+    looking = subprocess.Popen(["sleep", "60"])
     plain = subprocess.Popen(["sleep", "60"])
-    workers.procs = {"w0": catcher, "w1": plain}
+    workers.procs = {"w0": looking, "w1": plain}
+    word = NudgeWord(workers.nudge_path("w0"))  # w0 has started training: it looks
     try:
-        assert catcher.stdout.readline() == "ready\n"
         for rid, worker in ((1, "w1"), (2, "w0")):
             store.set(keys.inject_request(rid), InjectRequest(
                 rid, "raise rank=0 iter=9", [0], [worker], 0, "worker").to_json())
             store.add(keys.INJECTS, 1)
         store.add(keys.KILLS, 1)
         workers.poll()
-        deadline = time.monotonic() + 30
-        while not nudged.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert nudged.read_text() == "n"
-        assert plain.poll() is None  # not signalled: it would have died of it
+        assert word.moved() and not word.moved()
+        assert not os.path.exists(workers.nudge_path("w1"))  # nothing made for it
         workers.poll()  # nothing new: no second nudge
-        time.sleep(0.2)
-        assert nudged.read_text() == "n"
+        assert not word.moved()
     finally:
-        for proc in (catcher, plain):
+        for proc in (looking, plain):
             proc.kill()
             proc.wait(timeout=10)
         workers.stop(0)

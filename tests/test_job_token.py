@@ -39,6 +39,18 @@ def test_a_value_verifies_only_under_its_own_key_and_token() -> None:
         assert verify(TOKEN, "ep0/dp/exit/w1", junk) is None
 
 
+def test_a_secret_key_name_is_computed_only_with_the_token() -> None:
+    """The rendezvous' ready key carries a tag of the job token: another token, epoch or
+    generation names another key, and the plain name is not it."""
+    store = dist.HashStore()
+    name = SignedStore(store, TOKEN, keys.epoch_prefix(0)).secret_name(keys.ready(1))
+    assert name.startswith(keys.ready(1) + "/") and len(name) > len(keys.ready(1)) + 30
+    assert name == SignedStore(store, TOKEN, keys.epoch_prefix(0)).secret_name(keys.ready(1))
+    assert name != SignedStore(store, "x" * 32, keys.epoch_prefix(0)).secret_name(keys.ready(1))
+    assert name != SignedStore(store, TOKEN, keys.epoch_prefix(1)).secret_name(keys.ready(1))
+    assert name != SignedStore(store, TOKEN, keys.epoch_prefix(0)).secret_name(keys.ready(2))
+
+
 def test_token_files_that_others_may_read_or_too_short_are_refused(tmp_path: Path) -> None:
     good = tmp_path / "good"
     good.write_text(TOKEN + "\n")
@@ -120,8 +132,10 @@ import torch.distributed as dist
 server = store_server("127.0.0.1", 0, timeout_s=10)
 host0 = SignedStore(server, "k" * 32, keys.epoch_prefix(0))
 forger = dist.PrefixStore(keys.epoch_prefix(0), server)
-host0.set(keys.members(0), '{"0": "w0"}')
-forger.set(keys.members(1), '{"0": "intruder"}')  # a forged declaration, before the client
+from deadpool_megatron.control.declaration import Declaration
+host0.set(keys.declared(0), Declaration(0, 1).to_json())
+forged = Declaration(1, 1, {0: "intruder"}, {0: "intruder"}).to_json()
+forger.set(keys.declared(1), forged)  # a forged declaration, before the client
 ctl = ControlClient("127.0.0.1", server.port, "w0", timeout_s=10, token="k" * 32)
 assert ctl._latest == 0, ctl._latest
 seen = []
@@ -130,7 +144,7 @@ forger.set(keys.SHUTDOWN, "done")
 ctl.check_shutdown()  # a forged shutdown is no shutdown
 time.sleep(0.3)
 assert seen == [], seen
-host0.set(keys.members(1), '{"0": "w0"}')  # the real declaration replaces the forged one
+host0.set(keys.declared(1), Declaration(1, 1).to_json())  # the real one replaces it
 deadline = time.monotonic() + 5
 while not seen and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -169,6 +183,8 @@ def _forge(log: Path, stop: threading.Event, done: list[str]) -> None:
     epoch = dist.PrefixStore(keys.epoch_prefix(0), store)
     epoch.set(keys.members(1), json.dumps({str(r): "intruder" for r in range(8)}))
     epoch.set(keys.replaced(1), json.dumps({"0": "intruder"}))
+    epoch.set(keys.declared(1), json.dumps({"g": 1, "world": 8, "replaced": {"0": "intruder"},
+                                            "swapped": {"0": "intruder"}, "flush": False}))
     epoch.set(keys.GENERATION, "7")
     epoch.set(keys.ready(1), "1")
     epoch.set(keys.kill_request("w0"), "forged")
@@ -213,6 +229,6 @@ def test_a_process_without_the_token_changes_nothing(tmp_path: Path,
     out = run.logs[0]
     assert "generation 1: ranks [5] failed" in out, run.describe()
     assert "generation 2" not in out and "killing worker w0" not in out
-    for key in ("ep0/dp/exit/w3", "ep0/dp/exit/w2", "ep0/dp/host/0", "ep0/dp/gen1/members",
+    for key in ("ep0/dp/exit/w3", "ep0/dp/exit/w2", "ep0/dp/host/0", "ep0/dp/gen1/declared",
                 "ep0/dp/shutdown"):
         assert f"ignored a write to {key} that does not carry the job token" in out, key

@@ -32,6 +32,7 @@ log = logging.getLogger("deadpool_megatron.control")
 ENV = "DEADPOOL_JOB_TOKEN"
 MIN_TOKEN_BYTES = 16
 _MAC_HEX = 64
+UNSET = b"\x00"  # never a signed value: `read`'s compare_set expects it, so never matches
 
 
 class TokenError(ValueError):
@@ -107,7 +108,26 @@ class SignedStore:
         """The payload of `key`, or None if it is unset or unauthenticated (logged)."""
         if not self.store.check([key]):
             return None
-        return self._verified(key, self.store.get(key))
+        return self.read_set(key)
+
+    def read_set(self, key: str) -> bytes | None:
+        """`read` of a key known to be set (a wait on it returned, or a check): one request.
+        torch's compare_set, expecting a value no signed value can be, answers a set key's
+        value and changes nothing; torch's get is two requests (a WAIT, then the GET), and
+        a round trip each. Only for a set key: on one not set, torch's libuv server wakes
+        every wait on that key (and answers the expected value)."""
+        value = self.store.compare_set(key, UNSET, UNSET)
+        return None if value == UNSET else self._verified(key, value)
+
+    def secret_name(self, key: str) -> str:
+        """`key` with a tag that only holders of the job token can compute (an HMAC of the
+        full key): a process without the token cannot write that key, so a wait for it to
+        be set is as good as a read of a signed value, one request and one round trip less
+        (the rendezvous' ready key: at 16,384 ranks, a wave of 16,384 reads less on the
+        recovery's critical path, bench_scale). Its value is still signed."""
+        tag = hmac.new(self.token.encode(), b"name\0" + (self.prefix + key).encode(),
+                       hashlib.sha256).hexdigest()[:32]
+        return f"{key}/{tag}"
 
     def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """`read` of keys that exist (one round trip)."""
@@ -136,6 +156,9 @@ class SignedStore:
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self.store.append(key, value.encode() if isinstance(value, str) else value)
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
         self.store.wait(list(keys), timeout)

@@ -1,8 +1,12 @@
 """The worker side of the control plane: generation watch, assignments, rendezvous.
 
 Declarations are pushed, not polled: a watcher thread blocks in the store's `wait` on the
-next generation's membership key and wakes the moment host 0 writes it (well under a
-millisecond here). A worker sends no heartbeat: its liveness is its process, which its
+next generation's declaration key and wakes the moment host 0 writes it (well under a
+millisecond here). A worker reads the declaration only (control/declaration.py: the ranks
+that changed hands, a few hundred bytes), never the world's whole membership, and keeps
+it: what it asks later of that generation (its members, the replaced ranks, whether it
+flushes) costs no request. So a recovery costs each worker the same few requests and bytes
+at 16,384 ranks as at 8 (tools/bench_scale.py). A worker sends no heartbeat: its liveness is its process, which its
 host's launcher watches, and its progress is a shared-memory record that launcher reads
 (control/progress.py), so neither depends on a thread of the worker getting the GIL. Every
 blocking call has a deadline and also watches for shutdown, so no worker waits forever on a
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, token_from_env
+from deadpool_megatron.control.declaration import Declaration, Membership
 from deadpool_megatron.control.sockets import sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
@@ -51,8 +56,10 @@ class ControlClient:
         self._opening = threading.Lock()  # one connection opened at a time (see _open)
         self._prepared: tuple[dist.Store, list[int]] | None = None
         self._preparing: threading.Thread | None = None
+        self._current: tuple[dist.Store, list[int]] | None = None  # generations' connection
         self.store = self._connect()
         self._cond = threading.Condition()
+        self._declarations: dict[int, Declaration] = {}  # authenticated, by generation
         self._latest = self._newest_declared()  # newest declared generation
         self._watch_gen = -1
         self._on_new_generation: Callable[[int], None] | None = None
@@ -87,12 +94,16 @@ class ControlClient:
         return SignedStore(connection, self.token, keys.epoch_prefix(self.epoch))
 
     def _newest_declared(self) -> int:
-        """The newest generation whose membership carries the job token."""
+        """The newest generation whose declaration carries the job token."""
         generation = 0
-        while self.store.check([keys.members(generation + 1)]) and \
-                self.store.read(keys.members(generation + 1)) is not None:
+        while (value := self.store.read(keys.declared(generation + 1))) is not None:
+            self._keep(Declaration.from_json(value))
             generation += 1
         return generation
+
+    def _keep(self, declaration: Declaration) -> None:
+        with self._cond:
+            self._declarations[declaration.generation] = declaration
 
     def _open(self) -> tuple[dist.Store, list[int]]:
         """A new connection to the launcher's store and its socket fds. Openings never
@@ -105,11 +116,11 @@ class ControlClient:
 
     # -- the connection of a generation's group rendezvous, opened ahead of need ----------
     def prepare_connection(self) -> None:
-        """Open, in the background, the connection the next generation's groups will use.
-        torch's TCPStore client formats the server's address with a reverse name lookup
-        when it connects; where DNS drops a query that costs the resolver's 5 s timeout
-        (seen here in most 16-rank recoveries, every rank connecting at once), so it is paid
-        ahead of time, never inside a recovery."""
+        """Open, in the background, a connection for a generation's groups, unless one is
+        ready. torch's TCPStore client formats the server's address with a reverse name
+        lookup when it connects; where DNS drops a query that costs the resolver's 5 s
+        timeout (seen here in most 16-rank recoveries, every rank connecting at once), so it
+        is paid ahead of time, never inside a recovery."""
         with self._cond:
             if self._prepared is not None or self._preparing is not None:
                 return
@@ -129,17 +140,33 @@ class ControlClient:
             self._cond.notify_all()
 
     def take_connection(self) -> tuple[dist.Store, list[int]]:
-        """A connection of its own (and its fds) for one generation's group rendezvous: the
-        prepared one (waiting for it if it is being opened), else one opened now. The next
-        is prepared once the generation has formed (`prepare_connection`): the store server
-        too formats each new peer's address, on its only thread, so no connection is opened
-        while a generation forms."""
+        """The connection (and its fds) for one generation's group rendezvous: the previous
+        generation's, unless a newer declaration cut it (`connection_cut`); else the one
+        prepared ahead (waiting for it if it is being opened), else one opened now.
+        Keeping it saves every worker a connection (and host 0's store a close) per
+        recovery: torch's server, on closing a connection that ever waited, walks every
+        wait pending on the store (the 16,000 watchers' at 16,000 ranks). The next spare
+        connection is prepared once the generation has formed (`prepare_connection`): the
+        server too formats each new peer's address, on its only thread, so no connection
+        is opened while a generation forms."""
+        with self._cond:
+            if self._current is not None:
+                return self._current
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while self._preparing is not None and time.monotonic() < deadline:
                 self._cond.wait(SHUTDOWN_CHECK_S)
             taken, self._prepared = self._prepared, None
-        return taken if taken is not None else self._open()
+        taken = taken if taken is not None else self._open()
+        with self._cond:
+            self._current = taken
+        return taken
+
+    def connection_cut(self) -> None:
+        """The current generation connection was cut (a newer declaration): the next
+        generation takes another."""
+        with self._cond:
+            self._current = None
 
     # -- the watcher thread, with its own connection ---------------------------------------
     def _watch_declarations(self) -> None:
@@ -149,10 +176,12 @@ class ControlClient:
         seen = self._latest
         while not self._stop.is_set():
             try:
-                store.wait([keys.members(seen + 1)], timedelta(seconds=self.timeout_s))
-                if store.read(keys.members(seen + 1)) is None:  # forged: not a declaration
+                store.wait([keys.declared(seen + 1)], timedelta(seconds=self.timeout_s))
+                value = store.read_set(keys.declared(seen + 1))
+                if value is None:  # forged: not a declaration
                     self._stop.wait(FORGED_RECHECK_S)
                     continue
+                self._keep(Declaration.from_json(value))
             except dist.DistStoreError:
                 continue  # no declaration within the timeout: keep waiting
             except Exception:  # noqa: BLE001 - the launcher is gone
@@ -214,15 +243,28 @@ class ControlClient:
                                    f"job token after {self.timeout_s:.0f} s")
             time.sleep(FORGED_RECHECK_S)
 
-    def members(self, generation: int) -> dict[int, str]:
-        return _rank_map(self._authentic(keys.members(generation), absent_ok=False))
+    def declaration(self, generation: int) -> Declaration:
+        """Host 0's declaration of `generation` (kept: read from the store at most once)."""
+        with self._cond:
+            kept = self._declarations.get(generation)
+        if kept is not None:
+            return kept
+        declaration = Declaration.from_json(
+            self._authentic(keys.declared(generation), absent_ok=False))
+        self._keep(declaration)
+        return declaration
+
+    def members(self, generation: int) -> Membership:
+        """{rank: worker id} of `generation` (a lookup is O(1); nothing of size N read)."""
+        return self.declaration(generation).members()
 
     def replaced(self, generation: int) -> dict[int, str]:
-        value = self._authentic(keys.replaced(generation), absent_ok=True)
-        return {} if value is None else _rank_map(value)
+        return dict(self.declaration(generation).replaced)
 
     def flush_of(self, generation: int) -> dict | None:
         """Host 0's flush request, if `generation` is a flush: {"lost": [ranks], "reason"}."""
+        if not self.declaration(generation).flush:
+            return None
         value = self.store.read(keys.flush(generation))
         if value is None:
             return None
@@ -258,9 +300,9 @@ class ControlClient:
         """Spares: block until a generation gives this worker a rank; (generation, rank)."""
         generation = self._latest
         while True:
-            for rank, worker in self.members(generation).items():
-                if worker == self.worker:
-                    return generation, rank
+            rank = self.members(generation).rank_of(self.worker)
+            if rank is not None:
+                return generation, rank
             generation = self._wait_declared_after(generation, float("inf"))
 
     def wait_generation_after(self, generation: int) -> int:
@@ -270,9 +312,12 @@ class ControlClient:
     def rendezvous(self, generation: int, world_size: int, rank: int,
                    waiter: SignedStore) -> bool:
         """Store barrier of one generation; False if a newer one is declared meanwhile.
-        The last to join writes the ready key, which everyone else is blocked on, on
+        The last to join writes the ready key (under a name only holders of the job token
+        can compute: its being set is authentic), which everyone else is blocked on, on
         `waiter`: the generation's own connection, which a newer declaration cuts, so the
-        wait ends at once (the timeout only bounds a missed cut). Only the worker the
+        wait ends at once (the timeout only bounds a missed cut). An epoch that ends
+        without a declaration (its hosts never all joined) leaves the waits to the
+        launcher, which stops its workers. Only the worker the
         generation's membership names for `rank` may join as it: a worker declared lost
         that wakes up later (a frozen process, a partitioned host) is refused (NotAMember),
         so it can never take a rank's place or fill the barrier."""
@@ -280,15 +325,19 @@ class ControlClient:
         if holder != self.worker:
             raise NotAMember(f"worker {self.worker} may not join generation {generation} as "
                              f"rank {rank}: the membership names {holder}")
+        ready = self.store.secret_name(keys.ready(generation))  # no forger can set it
         if self.store.add(keys.joined(generation), 1) >= world_size:
-            self.store.set(keys.ready(generation), "1")
+            self.store.set(ready, "1")
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                waiter.wait([keys.ready(generation)], timedelta(seconds=SHUTDOWN_CHECK_S))
-                if waiter.read(keys.ready(generation)) is not None:
-                    return True
-                time.sleep(FORGED_RECHECK_S)  # forged: wait for the real last joiner's
+                # One wait to the deadline: a wait that times out is cancelled, and torch's
+                # server, cancelling, walks every wait pending on the store, so thousands
+                # of ranks rechecking every 0.5 s kept it busy for minutes (16,384
+                # simulated ranks, tools/bench_scale.py).
+                left = max(0.001, deadline - time.monotonic())
+                waiter.wait([ready], timedelta(seconds=left))
+                return True
             except dist.DistStoreError:  # timed out
                 pass
             except dist.DistNetworkError:  # cut: by a newer declaration, or the store is gone
@@ -315,7 +364,3 @@ class ControlClient:
     def mark_done(self) -> None:
         self.store.set(keys.done(self.worker), "1")
 
-
-def _rank_map(value: bytes) -> dict[int, str]:
-    """{rank: worker id} from host 0's JSON (authenticated, so well-formed)."""
-    return {int(r): str(w) for r, w in json.loads(value).items()}

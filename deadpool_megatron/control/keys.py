@@ -8,7 +8,12 @@ REPLICA_SOURCES = "dp/replica_sources"
 
 
 def members(generation: int) -> str:
-    return f"dp/gen{generation}/members"  # json {rank: worker id}
+    return f"dp/gen{generation}/members"  # json {rank: worker id}: for tools, O(N)
+
+
+def declared(generation: int) -> str:
+    # json control/declaration.Declaration, written last: what workers wait on and read
+    return f"dp/gen{generation}/declared"
 
 
 def replaced(generation: int) -> str:
@@ -49,7 +54,11 @@ def done(worker: str) -> str:
 
 # -- launcher-to-launcher keys (one set per epoch, under epoch_prefix) -------------------
 EXITS = "dp/exits"  # counter: bumped after each exit_report
-KILLS = "dp/kills"  # counter: bumped after each kill_request
+# the workers whose exit reports were written, "w3,s1.0,...", appended (unsigned: a hint of
+# which signed report to read)
+EXITED = "dp/exited"
+KILLS = "dp/kills"  # counter: bumped after each kill_request, signal request and shutdown
+FLUSH_REQUESTS = "dp/flush_requests"  # counter: bumped after each flush_request
 
 
 def exit_report(worker: str) -> str:

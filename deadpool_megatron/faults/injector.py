@@ -6,7 +6,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -37,43 +36,47 @@ class FaultInjector:
         self._committed: Callable[[], int | None] = lambda: None
         self._control = None  # (SignedStore, worker id): deadpool-inject's requests
         self._reader = None
-        self._nudged: threading.Event | None = None
+        self._word = None  # faults/nudge.NudgeWord: the launcher's nudge
+        self._reread = False
 
     def follow_commits(self, committed: Callable[[], int | None]) -> None:
         """Where wait=commit faults read this rank's newest committed snapshot."""
         self._committed = committed
 
-    def follow_control(self, store, worker: str) -> None:
+    def follow_control(self, store, worker: str, nudge_path: str | None = None) -> None:
         """Also fire the faults deadpool-inject aims at this worker (faults/remote.py). The
-        store is read at the first iteration boundary, then only after the launcher's
-        nudge (remote.NUDGE); off the main thread no handler can be installed, and every
-        boundary reads it (one counter read)."""
+        store is read at the first iteration boundary, then only when the launcher nudged
+        (faults/nudge.py: a counter in shared memory, compared at each boundary from any
+        thread): no store request per iteration."""
+        from deadpool_megatron.faults.nudge import ENV, NudgeWord
         from deadpool_megatron.faults.remote import RequestReader
 
         self._control = (store, worker)
         self._reader = RequestReader()
-        self._nudged = _nudge_event()
-        if self._nudged is not None:
-            self._nudged.set()  # the first boundary reads what came before the handler
+        path = nudge_path or os.environ.get(ENV)
+        self._word = NudgeWord(path) if path else None
+        if self._word is None:
+            log.warning("rank %d: no nudge file (%s): deadpool-inject's requests are read "
+                        "at the first iteration boundary only", self._rank, ENV)
+        self._reread = True  # the first boundary reads what came before
 
     def learn(self, iteration: int) -> None:
         """Take the new deadpool-inject requests for this worker (when nudged)."""
         if self._control is None:
             return
-        if self._nudged is not None:
-            if not self._nudged.is_set():
-                return
-            self._nudged.clear()  # a nudge from now on is for a later read
+        nudged = self._word is not None and self._word.moved()
+        if not (nudged or self._reread):
+            return
+        self._reread = False
         store, worker = self._control
         try:
             requests = self._reader.read(store)
         except Exception as err:  # noqa: BLE001 - the control plane's loss is handled elsewhere
             log.debug("rank %d: could not read fault requests: %s", self._rank, err)
-            if self._nudged is not None:
-                self._nudged.set()
+            self._reread = True
             return
-        if self._reader.waiting and self._nudged is not None:
-            self._nudged.set()  # an id is not written yet: look again at the next boundary
+        if self._reader.waiting:
+            self._reread = True  # an id is not written yet: look again at the next boundary
         for request in requests:
             if worker not in request.workers or request.delivery != "worker":
                 continue
@@ -134,18 +137,6 @@ class FaultInjector:
                             "anyway", self._rank, iteration, COMMIT_WAIT_S)
                 return
             time.sleep(0.002)
-
-
-def _nudge_event() -> threading.Event | None:
-    """An event the launcher's nudge (remote.NUDGE) sets; None off the main thread, where
-    Python cannot install a signal handler."""
-    from deadpool_megatron.faults.remote import NUDGE
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    event = threading.Event()
-    signal.signal(NUDGE, lambda *_: event.set())
-    return event
 
 
 class _FaultHooks(TrainingHooks):

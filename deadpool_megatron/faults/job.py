@@ -111,7 +111,10 @@ class JobControl:
             views: dict[str, dict] = {}
             for raw_report in self.store.read_many(present) if present else []:
                 if raw_report is not None:
-                    views.update(json.loads(raw_report).get("workers", {}))
+                    report = json.loads(raw_report)
+                    views.update(report.get("workers", {}))
+                    views.update({w: {"g": g, "it": it}
+                                  for w, (g, it) in report.get("it", {}).items()})
         except dist.DistError as err:
             raise JobEnded(f"lost the control plane at {self.where}: "
                            f"{str(err).splitlines()[0][:200]}") from None

@@ -8,10 +8,11 @@ be a spare. Two deliveries:
   `dp/signal/<worker>`, that the launcher of the host running that worker carries out (it
   wakes on the kill counter, as for host 0's kill requests);
 - `worker` (raise, and anything with iter= or phase=): the launcher of the worker's host
-  (woken by the same counter) nudges the worker with NUDGE (SIGUSR2); the worker's own
-  FaultInjector then reads the new requests at its next iteration boundary and fires them
-  like a --deadpool-inject fault. A worker reads the store only when nudged (and once when
-  it starts training), so thousands of ranks do not each query host 0 every iteration.
+  (woken by the same counter) nudges the worker (faults/nudge.py: a counter in shared
+  memory); the worker's own FaultInjector then reads the new requests at its next
+  iteration boundary and fires them like a --deadpool-inject fault. A worker reads the
+  store only when nudged (and once when it starts training), so thousands of ranks do not
+  each query host 0 every iteration.
 Host 0's coordinator logs each request as a `fault_requested` event.
 """
 
@@ -28,9 +29,6 @@ from deadpool_megatron.faults.spec import FaultSpec, FaultSpecError, parse_fault
 from deadpool_megatron.topology import ParallelSizes
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "hang": signal.SIGSTOP}
-# A worker-delivered request is announced to its worker by this signal from its launcher,
-# so the worker reads the store only when there is something to read (faults/injector.py).
-NUDGE = signal.SIGUSR2
 log = logging.getLogger("deadpool_megatron.faults")
 
 

@@ -16,6 +16,7 @@ import time
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore
+from deadpool_megatron.control.declaration import Declaration, first_worker
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
 from deadpool_megatron.control.policy import RecoveryImpossible, assign_spares, check_recoverable
 from deadpool_megatron.faults.remote import RequestReader
@@ -28,6 +29,13 @@ STOPPED = 128 + 15  # the job's exit status when a scheduler stopped it (SIGTERM
 HOST_SCAN_S = 0.1
 # Gather failures found by a scan (hangs, lost hosts) this long into one declaration.
 SCAN_GATHER_S = 0.3
+
+
+def end_epoch(store: SignedStore, reason: str) -> None:
+    """Tell every host's launcher (and the workers) that the epoch is over: the launchers
+    read the shutdown key when the kill counter moves (launch/workers.py)."""
+    store.set(keys.SHUTDOWN, reason)
+    store.add(keys.KILLS, 1)
 
 
 class EpochEnded(Exception):
@@ -48,7 +56,9 @@ class Coordinator:
         self.world = cfg.world_size
         self.rpn, self.allow_same_node = ranks_per_node, allow_same_node
         self.generation = 0
-        self.current = {r: f"w{r}" for r in range(self.world)}
+        self.current = {r: first_worker(r) for r in range(self.world)}
+        self.swapped: dict[int, str] = {}  # ranks not held by their first worker
+        self._holders = set(self.current.values())
         self.spares: list[str] = []
         self.hosts_seen: dict[int, list[str]] = {}  # host -> its workers (ranks, spares)
         self.lost_hosts: set[int] = set()  # their reports stopped
@@ -58,6 +68,10 @@ class Coordinator:
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.declare_at = 0.0
         self._exits_seen = 0
+        self._exits_read: set[str] = set()  # workers whose exit report was read
+        self._hint_offset = 0  # how much of keys.EXITED was read
+        self._flush_requests_seen = 0
+        self._reporting: set[int] = set()  # hosts whose report key exists
         self._injects = RequestReader()  # deadpool-inject requests, logged as events
         self._next_scan = 0.0
         self._host_seq: dict[int, tuple[int, float]] = {}  # host -> (report seq, seen at)
@@ -65,6 +79,7 @@ class Coordinator:
 
     def open(self) -> None:
         self.store.set(keys.members(0), json.dumps(self.current))
+        self.store.set(keys.declared(0), Declaration(0, self.world).to_json())
         self.store.set(keys.GENERATION, "0")
 
     # -- one tick of the control loop; raises EpochEnded when the epoch is over ----------
@@ -73,17 +88,14 @@ class Coordinator:
         exits = self.store.add(keys.EXITS, 0)
         if exits != self._exits_seen:
             self._exits_seen = exits
-            for worker in [*self.current.values(), *self.spares]:
-                rc = None if worker in self.gone else self._exit_code(worker)
-                if rc is not None:
-                    if rc == 0:  # finished, with or without --deadpool: never a failure
-                        self.gone.add(worker)
-                        self.finished.add(worker)
-                        continue
-                    self._lost(worker, now, how="exit", returncode=rc)
+            for worker in self._exit_hints():
+                self._read_exit(worker, now)
+            if exits > len(self._exits_read):  # bumps no hint explains: read every worker's
+                for worker in [*self.current.values(), *self.spares]:
+                    self._read_exit(worker, now)
             if all(w in self.finished or w in self.gone and self._done(w)
                    for w in self.current.values()):
-                self.store.set(keys.SHUTDOWN, "done")
+                end_epoch(self.store, "done")
                 raise EpochEnded(0, "done")
         if now >= self._next_scan:
             self._next_scan = now + HOST_SCAN_S
@@ -122,6 +134,37 @@ class Coordinator:
                                 f"per host with --master-addr/--master-port of host 0")
 
     # -- what the hosts wrote: authenticated (control/auth.py) and parsed, never trusted ----
+    def _exit_hints(self) -> list[str]:
+        """The workers whose exits the hosts announced since the last read (keys.EXITED, an
+        unsigned hint: it only says whose signed exit report to read, so an exit costs one
+        read, not one per worker of the job). A log that shrank was tampered with: every
+        worker is then read (the exits counter is not explained)."""
+        if not self.store.check([keys.EXITED]):
+            return []
+        log_ = self.store.store.get(keys.EXITED)
+        if len(log_) < self._hint_offset:
+            self._hint_offset = 0
+            return []
+        fresh, self._hint_offset = log_[self._hint_offset:], len(log_)
+        return [w for w in fresh.decode(errors="replace").split(",") if w]
+
+    def _read_exit(self, worker: str, now: float) -> None:
+        """A worker's exit report, once: finished (0), or lost."""
+        if worker in self._exits_read or \
+                worker not in self._holders and worker not in self.spares:
+            return
+        rc = self._exit_code(worker)
+        if rc is None:
+            return
+        self._exits_read.add(worker)
+        if worker in self.gone:
+            return  # declared lost before (hung, its host lost): now also exited
+        if rc == 0:  # finished, with or without --deadpool: never a failure
+            self.gone.add(worker)
+            self.finished.add(worker)
+            return
+        self._lost(worker, now, how="exit", returncode=rc)
+
     def _exit_code(self, worker: str) -> int | None:
         value = self.store.read(keys.exit_report(worker))
         if value is None:
@@ -220,12 +263,14 @@ class Coordinator:
     def _scan_hosts(self, now: float) -> None:
         """One read of every host's report: a host whose reports stopped is lost with its
         workers; the members' progress goes to the hang analysis."""
-        hosts = [h for h in sorted(self.hosts_seen) if h not in self.lost_hosts
-                 and self.store.check([keys.host_report(h)])]
+        for h in self.hosts_seen.keys() - self._reporting:  # a report, once written, stays
+            if self.store.check([keys.host_report(h)]):
+                self._reporting.add(h)
+        hosts = [h for h in sorted(self._reporting) if h not in self.lost_hosts]
         if not hosts:
             return
         views = []
-        members = set(self.current.values())
+        members = self._holders
         raws = self.store.read_many([keys.host_report(h) for h in hosts])
         for host, raw in zip(hosts, raws):
             report = self._host_report(host, raw)
@@ -238,7 +283,7 @@ class Coordinator:
             if report is None:
                 continue
             for worker, v in report["workers"].items():
-                if worker in members and worker not in self.gone and not self._done(worker):
+                if worker in members and worker not in self.gone:
                     try:
                         views.append(WorkerView(
                             worker=worker, generation=int(v["g"]), counter=int(v["c"]),
@@ -252,6 +297,9 @@ class Coordinator:
                                     "host %d", worker, host)
         if self.failed:
             return  # a declaration is due: the stalls it explains end with it
+        # A worker that reported itself done stamps no more: only the views the hang
+        # analysis could act on (stalled, or unable to run) are checked for it.
+        views = [v for v in views if not (v.stalled or v.frozen) or not self._done(v.worker)]
         verdict = find_hung(views)
         if verdict is None:
             return
@@ -306,10 +354,13 @@ class Coordinator:
         except RecoveryImpossible as err:
             lost = [r for r, w in self.current.items() if w in self.gone]
             raise EpochEnded(3, str(err), flush=True, lost=lost) from None
-        # Workers wake on the members key (control/client.py), so it is written after the
-        # replaced ranks and before the generation number.
+        # Workers wake on the declaration (control/client.py), so it is written after the
+        # replaced ranks and the membership (tools read that), before the generation number.
+        self.swapped.update(plan.replaced)
         self.store.set(keys.replaced(plan.generation), json.dumps(plan.replaced))
         self.store.set(keys.members(plan.generation), json.dumps(plan.rank_to_worker))
+        self.store.set(keys.declared(plan.generation), Declaration(
+            plan.generation, self.world, plan.replaced, self.swapped).to_json())
         self.store.set(keys.GENERATION, str(plan.generation))
         self.spares = [s for s in self.spares if s not in plan.replaced.values()]
         self.events.emit("generation_declared", generation=plan.generation,
@@ -319,6 +370,7 @@ class Coordinator:
         log.warning("deadpool-launch: generation %d: ranks %s failed; spares %s take their "
                     "places", plan.generation, sorted(failed_ranks), plan.replaced)
         self.generation, self.current = plan.generation, plan.rank_to_worker
+        self._holders = set(self.current.values())
         self.declared_at = time.monotonic()
         self.failed.clear()
 
@@ -328,6 +380,8 @@ class Coordinator:
         generation = self.generation + 1
         self.store.set(keys.flush(generation), json.dumps({"lost": lost, "reason": reason}))
         self.store.set(keys.members(generation), json.dumps(self.current))
+        self.store.set(keys.declared(generation), Declaration(
+            generation, self.world, {}, self.swapped, flush=True).to_json())
         self.store.set(keys.GENERATION, str(generation))
         self.generation, self.declared_at = generation, time.monotonic()
         self.events.emit("flush_declared", generation=generation, lost=lost, reason=reason)
@@ -338,9 +392,14 @@ class Coordinator:
             or self._exit_code(worker) is not None
 
     def flush_requested(self) -> int | None:
-        """A host whose launcher was asked to stop (SIGTERM), if any."""
+        """A host whose launcher was asked to stop (SIGTERM), if any: the hosts' requests
+        are read when their counter moved (one read per scan, not one per host)."""
+        count = self.store.add(keys.FLUSH_REQUESTS, 0)
+        if count == self._flush_requests_seen:
+            return None
         for host in sorted(self.hosts_seen):
             if self.store.read(keys.flush_request(host)) is not None:
+                self._flush_requests_seen = count
                 return host
         return None
 

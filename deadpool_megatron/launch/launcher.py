@@ -33,7 +33,7 @@ from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError, script_backend
 from deadpool_megatron.launch.console import Console, default_log_dir
-from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded
+from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded, end_epoch
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
 
@@ -182,6 +182,7 @@ class Launcher:
     def _ask_to_stop(self, workers: LocalWorkers) -> None:
         if self._stopping and not workers.store.check([keys.flush_request(self.cfg.node_rank)]):
             workers.store.set(keys.flush_request(self.cfg.node_rank), "SIGTERM")
+            workers.store.add(keys.FLUSH_REQUESTS, 1)  # host 0 reads the requests then
 
     # -- host 0 ---------------------------------------------------------------------------
     def _run_host0(self) -> int:
@@ -231,7 +232,7 @@ class Launcher:
             if end.flush:
                 self._flush(workers, coordinator, end, events)
             if end.returncode != 0:
-                workers.store.set(keys.SHUTDOWN, str(end))
+                end_epoch(workers.store, str(end))
             workers.stop(cfg.shutdown_timeout)
             self.joined_hosts = coordinator.live_hosts()
             return end.returncode
@@ -310,7 +311,7 @@ class Launcher:
                          "spares started", cfg.node_rank, epoch, cfg.local_ranks()[0],
                          cfg.local_ranks()[-1], len(spares))
                 try:
-                    while workers.store.read(keys.SHUTDOWN) is None:
+                    while workers.ended is None:  # host 0 announces it (kill counter)
                         workers.poll()
                         self._ask_to_stop(workers)
                         self._tick()

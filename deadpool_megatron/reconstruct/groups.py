@@ -47,7 +47,8 @@ REBUILD_TIMEOUT_S = 60.0  # groups being created wait this long at most for a pe
 
 
 class GenerationStore:
-    """A store connection of its own for one generation's rendezvous and groups.
+    """A store connection of its own for one generation's rendezvous and groups (kept from
+    generation to generation until a cut: ControlClient.take_connection).
 
     A rank waits in the store for its peers to join, then, creating each group, for each
     peer's address. If a peer dies meanwhile, the wait would last the whole timeout; a
@@ -55,12 +56,17 @@ class GenerationStore:
 
     def __init__(self, ctl: ControlClient, generation: int) -> None:
         client, self.fds = ctl.take_connection()
+        self.ctl = ctl
         self.control = ctl.signed(client)
         self.store = dist.PrefixStore(keys.epoch_prefix(ctl.epoch) + keys.pg_prefix(generation),
                                       client)
 
     def cut(self) -> None:
+        """Fail whatever waits on this connection (it is then dead: the next generation
+        takes another)."""
         import socket
+
+        self.ctl.connection_cut()
 
         for fd in self.fds:
             try:

@@ -448,18 +448,18 @@ def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> 
 def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
     """Round 1b: a rank whose buddy held only the unique region of the target takes the
     replicated one from its data-parallel source's own slot, each chunk checked against
-    the CRC table the buddy kept (transport.fetch_region). Every rank walks the pairs in
-    one global order and creates each pair's two-rank group, so group names agree and no
-    cycle of ranks waits on each other; only the members connect and move bytes."""
-    import torch.distributed as dist
+    the CRC table the buddy kept (transport.fetch_region). A rank makes the two-rank
+    groups of its own fetches only, with their two members alone (pair_group.py, named
+    after the pair), in one global order of the pairs, so no cycle of ranks waits on
+    each other; only the members connect and move bytes."""
+    from deadpool_megatron.reconstruct.pair_group import pair_group
 
     engine, rank, t = member.engine, member.rank, plan.target
-    pairs = sorted((src, r) for r, src in enumerate(plan.replica_from) if src is not None)
+    pairs = sorted((src, r) for r, src in enumerate(plan.replica_from)
+                   if src is not None and rank in (src, r))
     for src, dst in pairs:
-        group = dist.new_group(ranks=sorted((src, dst)), backend="gloo",
-                               timeout=engine.timeout, group_desc=REPLICA_FETCH_GROUP)
-        if rank not in (src, dst):
-            continue
+        group = pair_group((src, dst), f"deadpool_fetch_{src}_{dst}", timeout=engine.timeout,
+                           group_desc=REPLICA_FETCH_GROUP)
         outgoing = engine.own.find(t) if rank == src else None
         if rank == src and outgoing is None:
             raise RuntimeError(f"rank {rank} lost its own snapshot {t}, which rank {dst} "

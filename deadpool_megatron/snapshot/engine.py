@@ -53,7 +53,8 @@ from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
                                                   exchange_int, take_region)
-from deadpool_megatron.topology import ParallelSizes, buddy_of, snapshot_pairs, ward_of
+from deadpool_megatron.reconstruct.pair_group import pair_group
+from deadpool_megatron.topology import ParallelSizes, buddy_of, pair_links, ward_of
 from deadpool_megatron.topology.replicas import replica_source_of, replica_sources
 
 log = logging.getLogger("deadpool_megatron.snapshot")
@@ -188,12 +189,10 @@ class SnapshotEngine(TrainingHooks):
         one with the ward, of this rank's snapshots only (snapshot traffic never queues
         behind, or blocks, training's). No world-sized group: a world-sized gloo group is a
         full mesh, N^2 connections at every start and recovery; these are two per rank.
-        Every rank walks every pair of the ring in one global order (by their ranks) and
-        only the two members connect: the order leaves no cycle of ranks waiting on each
-        other, and a group's name comes from torch's group counter, equal on every rank.
-        (Created by their members alone, a group's name would hash in how many groups each
-        member already has, which differs under Megatron-LM's own initialisation: the two
-        members then wait on different names until the timeout.)"""
+        Each pair's group is made by its two members alone (reconstruct/pair_group.py),
+        named after the pair, in the order topology.pair_links gives (a colouring of the
+        ring: every group forms within three rounds, and no cycle of ranks waits on each
+        other): two group creations per rank, whatever the world's size."""
         self.rank, world = dist.get_rank(), dist.get_world_size()
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
@@ -207,11 +206,10 @@ class SnapshotEngine(TrainingHooks):
 
         def make_links() -> None:
             before = thread_ids()
-            for pair in snapshot_pairs(world, rpn, allow):
-                group = dist.new_group(ranks=list(pair), backend="gloo",
-                                       timeout=self.timeout, group_desc=SNAPSHOT_GROUP)
-                if self.rank in pair:
-                    links.update({peer: group for peer in pair if peer != self.rank})
+            for pair in pair_links(self.rank, world, rpn, allow):
+                group = pair_group(pair, f"deadpool_snapshot_{pair[0]}_{pair[1]}",
+                                   timeout=self.timeout, group_desc=SNAPSHOT_GROUP)
+                links.update({peer: group for peer in pair if peer != self.rank})
             # The groups' threads (started meanwhile), whose CPU the summary gives.
             self.transport_threads = thread_ids() - before
 

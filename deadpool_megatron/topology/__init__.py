@@ -9,6 +9,7 @@ from deadpool_megatron.topology.buddy import (
     buddy_map,
     buddy_of,
     lost_shards,
+    pair_links,
     snapshot_pairs,
     ward_of,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "coord_of",
     "group_members",
     "lost_shards",
+    "pair_links",
     "node_of",
     "num_nodes",
     "rank_of",

@@ -23,7 +23,8 @@ from collections.abc import Iterable
 
 from deadpool_megatron.topology.nodes import num_nodes
 
-__all__ = ["SameNodeBuddyError", "buddy_of", "ward_of", "buddy_map", "lost_shards"]
+__all__ = ["SameNodeBuddyError", "buddy_of", "ward_of", "buddy_map", "lost_shards",
+           "pair_links", "snapshot_pairs"]
 
 
 class SameNodeBuddyError(ValueError):
@@ -90,6 +91,38 @@ def snapshot_pairs(world_size: int, ranks_per_node: int,
     return sorted({(min(r, b), max(r, b))
                    for r, b in enumerate(buddy_map(world_size, ranks_per_node, allow_same_node))
                    if r != b})
+
+
+def pair_links(rank: int, world_size: int, ranks_per_node: int,
+               allow_same_node: bool = False) -> list[tuple[int, int]]:
+    """The snapshot pairs `rank` is in, each as (lower, higher): with its buddy and with
+    its ward (one pair when they are the same rank, on a ring of two; none alone), in the
+    order `rank` makes their groups. O(1): a rank never looks at another's pairs.
+
+    The order is a colouring of the ring's edges, the same for both members of a pair: the
+    edge from ring position p to p + 1 gets colour p % 2, except the edge closing a ring of
+    odd length, which gets colour 2. A rank's two edges have two colours, and it makes the
+    lower one's group first. Every pair's group then forms: the pairs of colour 0 first
+    (both members begin with them), then those of colour 1, then 2; at most three rounds,
+    whatever the ring's length. (Taking pairs in a fixed order of their ranks also never
+    deadlocks, but the group of each pair on the ring then waits for the one before it: a
+    chain as long as the ring.)"""
+    shift = _shift(world_size, ranks_per_node, allow_same_node)
+    _check_rank(rank, world_size)
+    buddy, ward = (rank + shift) % world_size, (rank - shift) % world_size
+    if buddy == rank:
+        return []
+    if buddy == ward:
+        return [(min(rank, buddy), max(rank, buddy))]
+    length = world_size // shift  # ring length: shift divides the world (equal nodes)
+    position = rank // shift
+
+    def colour(p: int) -> int:  # of the edge from position p to p + 1
+        return 2 if length % 2 and p == length - 1 else p % 2
+
+    edges = [(colour(position), (min(rank, buddy), max(rank, buddy))),
+             (colour((position - 1) % length), (min(ward, rank), max(ward, rank)))]
+    return [pair for _, pair in sorted(edges)]
 
 
 def lost_shards(

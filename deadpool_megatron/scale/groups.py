@@ -1,0 +1,87 @@
+"""The store requests of the process groups a member makes again in a recovery, counted as
+torch makes them (the harness's members make no group; this is their share, computed).
+
+Which groups: the generation's default group (the world), every Megatron-Core group the
+rank is in (found by running Megatron's own `initialize_model_parallel` in a world of
+torch's fake backend, for one rank: its `new_group` calls, the rank's own ones made, the
+others only counted), and the two-rank gloo groups of its snapshot pairs.
+
+What one group costs each of its members in store requests (torch 2.13; a `get` is two
+requests, WAIT then GET, and so is a `multi_get`):
+- NCCL (a GPU job), at the communicator's creation: group rank 0 sets the unique id (one
+  SET), every other member gets it (two). A group larger than TORCH_NCCL_RANKS_PER_ROOT
+  (128) is made by ncclCommInitRankScalable: one root per 128 ranks sets its id, every
+  member gets them all in one multi_get (two requests, 128 bytes per root). torch's
+  store-based barrier after a group's creation is off unless TORCH_DIST_INIT_BARRIER=1.
+- gloo (the CPU rehearsal), measured with a counting store (tests/test_scale_harness.py):
+  one SET of the member's address, then a wait and a get per member of the group, itself
+  included: 1 + 3 * size requests: a full mesh, so O(size) per member.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+RANKS_PER_ROOT = 128  # TORCH_NCCL_RANKS_PER_ROOT's default
+
+
+def nccl_share(size: int) -> float:
+    """One group's NCCL requests per member, averaged over its members."""
+    if size > RANKS_PER_ROOT:
+        roots = math.ceil(size / RANKS_PER_ROOT)
+        return 2 + roots / size
+    return (1 + 2 * (size - 1)) / size
+
+
+def gloo_requests(size: int) -> int:
+    """Store requests of one member at one gloo group's creation (a full mesh)."""
+    return 1 + 3 * size
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    groups: int  # groups a member makes again
+    nccl: float  # their store requests per member, NCCL (the snapshot pairs: gloo)
+    gloo: float  # the same groups all with gloo (the CPU rehearsal)
+    largest: int  # the largest group's size
+
+
+def megatron_group_sizes(world: int, tp: int, pp: int, rank: int = 0) -> list[int]:
+    """The sizes of the Megatron-Core groups `rank` is in (Megatron's own code decides)."""
+    import torch.distributed as dist
+
+    from deadpool_megatron.rehearsal.imports import prepare_megatron_import
+
+    prepare_megatron_import(True)
+    from megatron.core import parallel_state as ps
+
+    from deadpool_megatron.reconstruct.spare import local_world
+
+    sizes: list[int] = []
+    original = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if ranks is not None and rank not in ranks:
+            return dist.GroupMember.NON_GROUP_MEMBER  # torch: no store request either
+        sizes.append(world if ranks is None else len(ranks))
+        return original(ranks, *args, **kwargs)
+
+    with local_world(rank, world):
+        dist.new_group = new_group
+        try:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                         pipeline_model_parallel_size=pp,
+                                         create_gloo_process_groups=False)
+        finally:
+            dist.new_group = original
+    return sizes
+
+
+def recovery_groups(world: int, megatron_sizes: list[int], pair_groups: int) -> GroupCost:
+    """A member's groups in a recovery: the world, Megatron's, its snapshot pairs."""
+    sizes = [world, *megatron_sizes]
+    nccl = sum(nccl_share(s) for s in sizes) + pair_groups * gloo_requests(2)
+    gloo = sum(gloo_requests(s) for s in sizes) + pair_groups * gloo_requests(2)
+    return GroupCost(groups=len(sizes) + pair_groups, nccl=nccl, gloo=gloo,
+                     largest=max(sizes))

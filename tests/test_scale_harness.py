@@ -1,0 +1,352 @@
+"""The scale harness (deadpool_megatron/scale/) speaks what the real workers and launchers
+speak: its wire client sends torch's client's bytes; a simulated member makes a real
+ControlClient's requests (same queries, same keys) through a start and a recovery, a
+simulated spare a real spare's; a simulated host a real LocalWorkers'. And the cost model
+of the groups counts what gloo really asks of the store."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from deadpool_megatron.scale.wire import Connection, Store, Tally, decode_requests
+from deadpool_megatron.testing.jobs import REPO
+
+
+class Recorder:
+    """A TCP proxy in front of a store server that keeps what each client sent."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.sent: list[bytearray] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            record = bytearray()
+            self.sent.append(record)
+            threading.Thread(target=self._pump, args=(client, server, record),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, None),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+            if record is not None:
+                record += data
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+
+def _server():
+    from deadpool_megatron.control.sockets import store_server
+
+    return store_server("127.0.0.1", 0, timeout_s=30)
+
+
+def test_the_wire_client_sends_torchs_bytes() -> None:
+    """The same calls through torch's client and the harness's: the same bytes."""
+    server = _server()
+    server.set("ep0//k", "v")
+    theirs, ours = Recorder(server.port), Recorder(server.port)
+    client = dist.TCPStore("127.0.0.1", theirs.port, is_master=False,
+                           timeout=timedelta(seconds=10))
+    prefixed = dist.PrefixStore("ep0/", client)
+    prefixed.set("a", b"x" * 300)
+    prefixed.get("k")
+    prefixed.add("n", 3)
+    prefixed.check(["k", "a"])
+    prefixed.wait(["k"])
+    prefixed.multi_get(["k", "a"])
+    prefixed.append("log", b"w1,")
+
+    async def same_calls() -> None:
+        conn = await Connection.open("127.0.0.1", ours.port)
+        store = Store(conn, "ep0/")
+        store.set("a", b"x" * 300, None)
+        await store.get("k", None)
+        await store.add("n", 3, None)
+        await store.check(["k", "a"], None)
+        await conn._request(b"\x06" + (1).to_bytes(8, "little") + (7).to_bytes(8, "little")
+                            + b"/ep0//k", "byte", None)
+        await store.multi_get(["k", "a"], None)
+        store.append("log", b"w1,", None)
+        await store.get("k", None)  # everything before it has been sent
+        conn.close()
+
+    asyncio.run(same_calls())
+    time.sleep(0.2)
+    theirs_, ours_ = bytes(theirs.sent[0]), bytes(ours.sent[0])
+    # VALIDATE with the magic number, PING (with its own nonce), then every request.
+    assert theirs_[:6] == ours_[:6] and theirs_[10:] == ours_[10:len(theirs_)]
+    assert decode_requests(bytes(theirs.sent[0]))[:3] == [("VALIDATE", ""), ("PING", ""),
+                                                          ("SET", "/ep0//a")]
+
+
+# -- a real worker's requests, and a simulated one's ------------------------------------------
+REAL = r"""
+import json, sys, threading, time
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.launch.coordinator import Coordinator
+from deadpool_megatron.launch.config import LaunchConfig
+from deadpool_megatron.control.auth import SignedStore
+from deadpool_megatron.metrics.events import EventLog
+from deadpool_megatron.control.sockets import store_server
+sys.path.insert(0, "{tests}")
+from test_scale_harness import Recorder, decode_requests
+
+TOKEN = "t" * 32
+server = store_server("127.0.0.1", 0, timeout_s=30)
+host0 = SignedStore(server, TOKEN, keys.epoch_prefix(0))
+coordinator = Coordinator(LaunchConfig(nproc_per_node=1, nnodes=3, control_only=True,
+                                       failure_window=0.0), host0, 1, False,
+                          EventLog(None, -1))
+coordinator.open()
+host0.set(keys.node_spares(1), json.dumps(["s1.0"]))
+host0.set(keys.node_spares(2), json.dumps([]))
+recorders = {"w1": Recorder(server.port), "s1.0": Recorder(server.port)}
+def client(worker):
+    port = recorders[worker].port if worker in recorders else server.port
+    return ControlClient("127.0.0.1", port, worker, timeout_s=30, token=TOKEN)
+
+def join(ctl, generation, rank):
+    store, _ = ctl.take_connection()
+    assert ctl.rendezvous(generation, 2, rank, ctl.signed(store))
+    ctl.prepare_connection()
+
+w0, w1 = client("w0"), client("w1")
+t = threading.Thread(target=join, args=(w0, 0, 0)); t.start()
+join(w1, 0, 1); t.join()
+spare = client("s1.0")
+spare_done = []
+def spare_path():
+    generation, rank = spare.wait_for_assignment()
+    join(spare, generation, rank)
+    spare.replaced(generation)
+    spare_done.append(generation)
+s = threading.Thread(target=spare_path); s.start()
+time.sleep(0.3)
+host0.set(keys.exit_report("w0"), "-9"); host0.append(keys.EXITED, "w0,"); host0.add(keys.EXITS, 1)
+coordinator.tick(time.monotonic()); coordinator.tick(time.monotonic())
+# w1's recovery, as reconstruct/recovery.py calls its client: leave, flush check, enter
+g = w1.wait_generation_after(0)
+w1.flush_of(g); assert w1.members(g).get(1) == "w1"; w1.replaced(g); w1.flush_of(g)
+join(w1, g, 1); w1.replaced(g)
+s.join(30); assert spare_done == [1], spare_done
+time.sleep(0.3)
+traces = {w: [r for sent in rec.sent for r in decode_requests(bytes(sent))]
+          for w, rec in recorders.items()}
+print(json.dumps(traces))
+import os; os._exit(0)
+"""
+
+
+def _normal(trace: list) -> collections.Counter:
+    """Requests whose number depends on timing are left out: a wait's timeout (its cancel
+    and the end-of-job check that follows, then the wait again), a waiting spare's check of
+    the job's end, and the ready key the last to join sets."""
+    kept = [tuple(r) for r in trace if r[0] != "CANCEL_WAIT" and not r[1].endswith("shutdown")
+            and not (r[0] == "SET" and "/ready/" in r[1])]
+    counts = collections.Counter(kept)
+    for request in counts:
+        if request[0] == "WAIT" and "/ready/" in request[1]:
+            counts[request] = 1
+    return counts
+
+
+def _simulated() -> tuple[list, list]:
+    """The same scenario with simulated members (w0, w1) and spare, every request of w1
+    and the spare traced."""
+    from deadpool_megatron.control import keys
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.coordinator import Coordinator
+    from deadpool_megatron.metrics.events import EventLog
+    from deadpool_megatron.scale.member import SimMember
+    from deadpool_megatron.scale.signed import SignedView
+
+    token = "t" * 32
+    server = _server()
+    host0 = SignedStore(server, token, keys.epoch_prefix(0))
+    coordinator = Coordinator(LaunchConfig(nproc_per_node=1, nnodes=3, control_only=True,
+                                           failure_window=0.0), host0, 1, False,
+                              EventLog(None, -1))
+    coordinator.open()
+    host0.set(keys.node_spares(1), json.dumps(["s1.0"]))
+    host0.set(keys.node_spares(2), json.dumps([]))
+
+    async def scenario() -> tuple[list, list]:
+        pool = await Connection.open("127.0.0.1", server.port)
+        view = SignedView(Store(pool), token, keys.epoch_prefix(0))
+        members = []
+        for worker, rank in (("w0", 0), ("w1", 1), ("s1.0", None)):
+            tally = Tally(trace=[] if worker != "w0" else None)
+            conn = await Connection.open("127.0.0.1", server.port, tally)
+            member = SimMember(worker, rank, 2, view, view.waiter(conn), tally=tally)
+            members.append(member)
+        tasks = [asyncio.ensure_future(m.start()) for m in members]
+        while any(len(m.joined) < 1 for m in members[:2]):
+            await asyncio.sleep(0.01)
+        w0 = members[0]
+        w0.alive = False
+        tasks[0].cancel()
+        w0.waiter.conn.close()
+        host0.set(keys.exit_report("w0"), "-9")
+        host0.append(keys.EXITED, "w0,")
+        host0.add(keys.EXITS, 1)
+        await asyncio.sleep(0.05)
+        coordinator.tick(time.monotonic())
+        coordinator.tick(time.monotonic())
+        deadline = time.monotonic() + 30
+        while (len(members[1].joined) < 2 or not members[2].joined or
+               not members[2].joined[-1].settled_at) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        for task in tasks:
+            task.cancel()
+        return members[1].tally.trace, members[2].tally.trace
+
+    return asyncio.run(scenario())
+
+
+def test_a_simulated_member_and_spare_make_a_real_workers_requests(tmp_path) -> None:
+    """Generation 0, then rank 0 dies and the spare takes it: w1's requests (a survivor)
+    and the spare's, from a real ControlClient called as the recovery calls it, and from
+    the harness's: the same queries on the same keys, as many of each."""
+    script = REAL.replace("{tests}", str(REPO / "tests"))
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    real = json.loads(run.stdout.strip().splitlines()[-1])
+    sim_w1, sim_spare = _simulated()
+    assert _normal(sim_w1) == _normal(real["w1"])
+    assert _normal(sim_spare) == _normal(real["s1.0"])
+
+
+def test_a_simulated_host_makes_a_real_launchers_requests(tmp_path) -> None:
+    """One poll with a worker just exited, then one a little later: LocalWorkers' requests
+    (a recording proxy) and the simulated host's (traced), in order."""
+    from deadpool_megatron.control import keys
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.workers import REPORT_S, LocalWorkers
+    from deadpool_megatron.scale.host import SimHost
+    from deadpool_megatron.scale.signed import SignedView
+
+    class Exited:
+        pid, returncode = 1, -9
+
+        def poll(self) -> int:
+            return self.returncode
+
+    server = _server()
+    recorder = Recorder(server.port)
+    client = dist.TCPStore("127.0.0.1", recorder.port, is_master=False,
+                           timeout=timedelta(seconds=10))
+    store = SignedStore(client, "t" * 32, keys.epoch_prefix(0))
+    workers = LocalWorkers(LaunchConfig(nproc_per_node=2, nnodes=2, node_rank=1), [], store,
+                           server.port, 2, 0, str(tmp_path))
+    workers.procs = {"w2": Exited()}
+    try:
+        workers.poll()
+        time.sleep(REPORT_S)
+        workers.poll()
+        client.get(keys.epoch_prefix(0) + "/" + keys.EXITS)  # all sent before it answers
+    finally:
+        workers.procs = {}
+        workers.stop(0)  # its progress directory
+    real = decode_requests(bytes(recorder.sent[0]))[2:-2]
+
+    async def simulated() -> list:
+        conn = await Connection.open("127.0.0.1", server.port)
+        host = SimHost.make(1, range(2, 4), 0, SignedView(Store(conn), "t" * 32, "ep0/"))
+        host.workers = ["w2"]
+        host.tally.trace = []
+        host.exit("w2", -9)
+        now = time.monotonic()
+        await host.poll(now)
+        await host.poll(now + REPORT_S)
+        return host.tally.trace
+
+    assert asyncio.run(simulated()) == [tuple(r) for r in real]
+
+
+def test_gloo_asks_the_store_what_the_model_counts() -> None:
+    """A gloo group's creation, counted with a counting store: 1 + 3 x size requests per
+    member (the model of scale/groups.py), for sizes 2 and 3."""
+    from torch.distributed import ProcessGroupGloo
+
+    from deadpool_megatron.scale.counting import CountingStore
+    from deadpool_megatron.scale.groups import gloo_requests
+
+    server = _server()
+    for size in (2, 3):
+        stores = [CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                              timeout=timedelta(seconds=20)))
+                  for _ in range(size)]
+        made = []
+
+        def make(rank: int) -> None:
+            made.append(ProcessGroupGloo(dist.PrefixStore(f"g{size}/", stores[rank]), rank,
+                                         size, timedelta(seconds=20)))
+
+        threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(made) == size
+        assert [sum(s.requests.values()) for s in stores] == [gloo_requests(size)] * size
+
+
+def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
+    """Every live worker's generation and iteration; the whole view only of a worker
+    stalled half its timeout or more, stopped, or whose monitor is silent."""
+    from deadpool_megatron.launch.workers import host_report
+
+    def view(st: float = 0.01, os_state: str = "S", mon: float = 0.02,
+             long_: bool = False) -> dict:
+        return {"g": 2, "c": 10, "it": 7, "ph": "forward", "st": st, "mon": mon, "wh": 1,
+                "long": long_, "to": 20.0, "itn": 1.0, "os": os_state}
+
+    views = {"w0": view(), "w1": view(st=11.0), "w2": view(os_state="T"),
+             "w3": view(mon=5.0), "w4": view(st=9.0), "w5": view(st=30.0, long_=True)}
+    report = host_report(4, views)
+    assert report["seq"] == 4
+    assert sorted(report["workers"]) == ["w1", "w2", "w3"]
+    assert report["workers"]["w1"] == views["w1"]
+    assert report["it"] == {w: [2, 7] for w in views}
