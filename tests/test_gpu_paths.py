@@ -129,11 +129,11 @@ def test_deadpool_launch_exits_2_naming_the_gpu_layout(monkeypatch, capsys) -> N
     assert end.value.code == 2
     assert "--nproc-per-node 7 --spares 1" in capsys.readouterr().err
     # The same layout with gloo (named either way) is accepted up to the launch itself.
-    from deadpool_megatron.launch.config import script_backend
+    from deadpool_megatron.launch.worker_flags import worker_flags
 
-    assert script_backend(["--distributed-backend=gloo"]) == "gloo"
-    assert script_backend(["--distributed-backend", "gloo"]) == "gloo"
-    assert script_backend(["--deadpool"]) == "nccl"
+    assert worker_flags(["--distributed-backend=gloo"]).backend == "gloo"
+    assert worker_flags(["--distributed-backend", "gloo"]).backend == "gloo"
+    assert worker_flags(["--deadpool"]).backend == "nccl"
 
 
 class _Objects:

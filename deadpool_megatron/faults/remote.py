@@ -70,16 +70,9 @@ class InjectRequest:
         return parse_fault(self.spec, when_required=False)
 
 
-def job_shape(script_args: list[str], world: int, ranks_per_node: int) -> dict:
+def job_shape(tp: int, pp: int, cp: int, world: int, ranks_per_node: int) -> dict:
     """The shape host 0 publishes, from the training script's own flags."""
-    def flag(name: str) -> int:
-        if name in script_args[:-1]:
-            return int(script_args[script_args.index(name) + 1])
-        return 1
-
-    return asdict(JobShape(world=world, tp=flag("--tensor-model-parallel-size"),
-                           pp=flag("--pipeline-model-parallel-size"),
-                           cp=flag("--context-parallel-size"), ranks_per_node=ranks_per_node))
+    return asdict(JobShape(world=world, tp=tp, pp=pp, cp=cp, ranks_per_node=ranks_per_node))
 
 
 def delivery_of(fault: FaultSpec) -> str:

@@ -128,13 +128,3 @@ class LaunchConfig:
             f"worker and every spare needs a GPU of its own. Use for example "
             f"--nproc-per-node {max(devices - 1, 1)} --spares 1 (a spare on any host may "
             f"replace any rank).")
-
-
-def script_backend(script_args: list[str]) -> str:
-    """The training script's --distributed-backend (its default: nccl)."""
-    for i, arg in enumerate(script_args):
-        if arg == "--distributed-backend" and i + 1 < len(script_args):
-            return script_args[i + 1]
-        if arg.startswith("--distributed-backend="):
-            return arg.split("=", 1)[1]
-    return "nccl"

@@ -26,28 +26,21 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from deadpool_megatron.config import add_arguments, from_namespace
+from deadpool_megatron.config import ConfigError, add_arguments, from_namespace
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
 from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.faults.remote import job_shape
-from deadpool_megatron.launch.config import LaunchConfig, LaunchError, script_backend
+from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.console import Console, default_log_dir
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded, end_epoch
+from deadpool_megatron.launch.worker_flags import worker_flags
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
 
 log = logging.getLogger("deadpool_megatron.launch")
 RECOVERY_IMPOSSIBLE = 3
 TICK_S = 0.01
-
-
-def _flag_value(args: Sequence[str], name: str) -> str | None:
-    args = list(args)
-    if name in args:
-        i = args.index(name)
-        return args[i + 1] if i + 1 < len(args) else None
-    return None
 
 
 class Launcher:
@@ -57,14 +50,16 @@ class Launcher:
         self.cmd = [sys.executable, "-u", script, *script_args]
         # The workers' failure domains: --deadpool-ranks-per-node if the job sets it, else
         # the launcher's (logical) hosts, passed to the workers as LOCAL_WORLD_SIZE.
-        rpn = _flag_value(script_args, "--deadpool-ranks-per-node")
-        self.ranks_per_node = int(rpn) if rpn else cfg.nproc_per_node // cfg.logical_nodes
-        self.allow_same_node = "--deadpool-allow-same-node-buddy" in script_args
+        flags = self.worker = worker_flags(script_args)
+        self.worker_ft = flags.deadpool
+        rpn = flags.deadpool.deadpool_ranks_per_node
+        self.ranks_per_node = rpn if rpn else cfg.nproc_per_node // cfg.logical_nodes
+        self.allow_same_node = flags.deadpool.deadpool_allow_same_node_buddy
         # Without --deadpool the workers cannot hot-swap: run as torchrun would (a failure
         # restarts every worker from --save, or ends the job).
-        self.hot_swap = "--deadpool" in script_args
+        self.hot_swap = flags.deadpool.deadpool
         self._epoch_store: dist.TCPStore | None = None  # host 0, without --deadpool
-        self.save_dir = _flag_value(script_args, "--save")
+        self.save_dir = flags.save
         self.root: dist.TCPStore | None = None
         self.control: SignedStore | None = None  # the root keys (epochs, the end), signed
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
@@ -151,7 +146,8 @@ class Launcher:
             self.control.set(keys.LAYOUT, json.dumps(
                 {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
                  "control_only": cfg.control_only,
-                 "shape": job_shape(self.cmd, cfg.world_size, self.ranks_per_node)}))
+                 "shape": job_shape(self.worker.tp, self.worker.pp, self.worker.cp,
+                                    cfg.world_size, self.ranks_per_node)}))
             if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
                 log.warning("deadpool-launch: host 0 listens on %s only (--master-addr), a "
                             "loopback address: hosts on other machines cannot reach it; pass "
@@ -189,7 +185,7 @@ class Launcher:
         """Hot-swap for as long as it can; then, if the job writes durable checkpoints
         (--save), restart every host's workers from the newest one, once per
         --max-restarts."""
-        events = EventLog(_flag_value(self.cmd, "--deadpool-events"), rank=-1)
+        events = EventLog(self.worker_ft.deadpool_events, rank=-1)
         for epoch in range(self.cfg.max_restarts + 1):
             rc = self._run_epoch(epoch, events)
             if rc != RECOVERY_IMPOSSIBLE or self.save_dir is None \
@@ -370,12 +366,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = from_namespace(LaunchConfig, ns)
     try:
         cfg.validate()
-        cfg.check_devices(script_backend(ns.script_args), torch.cuda.device_count())
-        if cfg.spares and "--deadpool" not in ns.script_args:
+        flags = worker_flags(ns.script_args)
+        cfg.check_devices(flags.backend, torch.cuda.device_count())
+        if cfg.spares and not flags.deadpool.deadpool:
             raise LaunchError(f"--spares {cfg.spares} needs --deadpool on the training script "
                               f"(spares take failed ranks only with hot-swap); add --deadpool "
                               f"or launch with --spares 0")
         token = _job_token(cfg)
-    except (LaunchError, TokenError) as err:
+    except (LaunchError, TokenError, ConfigError) as err:
         parser.error(str(err))  # exit status 2, like every other bad flag
     return Launcher(cfg, ns.script, ns.script_args, token).run()
