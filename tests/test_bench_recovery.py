@@ -111,7 +111,7 @@ def test_async_save_is_refused_saying_what_to_use() -> None:
 
 
 def test_the_kill_test_fault_parses() -> None:
-    from deadpool_megatron.testing.megatron_faults import MegatronFault
+    from deadpool_megatron.faults.megatron_faults import MegatronFault
 
     fault = MegatronFault.parse("kill rank=1 at=backward call=65")
     assert (fault.action, fault.rank, fault.at, fault.call) == ("kill", 1, "backward", 65)

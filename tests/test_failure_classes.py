@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deadpool_megatron.control.failures import caused_by_a_peer
-from deadpool_megatron.testing.megatron_faults import CUDA_ERROR
+from deadpool_megatron.faults.megatron_faults import CUDA_ERROR
 
 
 @pytest.mark.parametrize("text", [

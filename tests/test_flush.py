@@ -193,7 +193,7 @@ def test_sigterm_while_a_training_thread_is_blocked_still_flushes_every_shard(
     then. The flush needs only the snapshots in host memory, not the thread: rank 3 writes
     its shard of iteration 3 too, the flush is complete, and the relaunch resumes there and
     ends bit-exact (before, rank 3 left without writing and the flush was lost)."""
-    from deadpool_megatron.testing.megatron_faults import ENV as MEGATRON_FAULT
+    from deadpool_megatron.faults.megatron_faults import ENV as MEGATRON_FAULT
 
     save = tmp_path / "ckpt"
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),

@@ -26,7 +26,7 @@ import torch
 import megatron
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
-from deadpool_megatron.testing.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
+from deadpool_megatron.faults.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 from deadpool_megatron.metrics.timeline import load_events
 from recoveries import check_recoveries
 
@@ -252,7 +252,7 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
 def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """Failures as they come: a CUDA error raised by Megatron-Core's TransformerLayer.forward
-    in rank 6 (not our injector: testing/megatron_faults.py, its 3rd call: iteration 2's
+    in rank 6 (not our injector: faults/megatron_faults.py, its 3rd call: iteration 2's
     first micro-batch), an exception of rank 2's own in iteration 3, and rank 5 stopped
     (SIGSTOP) in iteration 4's backward, found by its stalled progress and killed by its
     launcher. A rank's own error leaves at once with its traceback; every one is taken by a

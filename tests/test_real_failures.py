@@ -1,5 +1,5 @@
 """Failures as they really come (issue 9's acceptance), most of them raised inside
-Megatron-Core by a test-only patch (deadpool_megatron/testing/megatron_faults.py), not by our
+Megatron-Core by a test-only patch (deadpool_megatron/faults/megatron_faults.py), not by our
 injector: a rank's own exception, a training thread blocked forever, a durable save holding
 the GIL, a rank dying while the next generation creates its groups, a host frozen until it
 is declared lost, a launcher killed, a job without --deadpool."""
@@ -19,7 +19,7 @@ import pytest
 from conftest import GPT_3D_ARGS
 from deadpool_megatron.reconstruct.groups import REBUILD_TIMEOUT_S
 from deadpool_megatron.testing.jobs import REPO, JobResult, run_hosts, run_launched
-from deadpool_megatron.testing.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
+from deadpool_megatron.faults.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 
 pytestmark = pytest.mark.multiproc
 ITERS = 8

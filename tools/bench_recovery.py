@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deadpool_megatron.metrics import vs_checkpoint as vs  # noqa: E402
 from deadpool_megatron.metrics.timeline import Timeline, load_events, timelines  # noqa: E402
 from deadpool_megatron.testing.jobs import JobResult, run_launched  # noqa: E402
-from deadpool_megatron.testing.megatron_faults import ENV as MEGATRON_FAULT  # noqa: E402
+from deadpool_megatron.faults.megatron_faults import ENV as MEGATRON_FAULT  # noqa: E402
 
 
 def model_args(world: int, iters: int) -> list[str]:

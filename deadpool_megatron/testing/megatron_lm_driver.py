@@ -85,7 +85,7 @@ def main() -> None:
                                                       pretrain_cfg_container_from_args)
         from megatron.training.arguments import parse_and_validate_args
 
-        from deadpool_megatron.testing.megatron_faults import install_from_env
+        from deadpool_megatron.faults.megatron_faults import install_from_env
 
         install_from_env()  # tests only: a failure raised inside Megatron-Core itself
         datasets_provider.is_distributed = True  # type: ignore[attr-defined]

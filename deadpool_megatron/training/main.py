@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cpu_rehearsal = rehearsal_needed(cfg.distributed_backend)
     prepare_megatron_import(cpu_rehearsal)
-    from deadpool_megatron.testing.megatron_faults import install_from_env
+    from deadpool_megatron.faults.megatron_faults import install_from_env
 
     install_from_env()  # tests only: a failure raised inside Megatron-Core itself
     rehearsal = CpuRehearsal() if cpu_rehearsal else None
