@@ -134,11 +134,13 @@ class Cluster:
                                          "(N / 100,000)^2")
     nccl_abort_s: Figure = Figure(0.6, "s", "NVRx docs: destroy_process_group about 0.5 s + "
                                   "0.01 s per pending kernel (10 pending assumed)")
-    control_plane_per_rank_s: Figure = Figure(0.5 / 16384, "s/rank", "PLACEHOLDER until "
-                                              "tools/bench_scale.py's measured declaration -> "
-                                              "all joined per N replaces it: NVRx docs, a "
-                                              "store barrier 0.5 s at 16K ranks; "
-                                              "control_plane(N) = this x N")
+    control_plane_per_rank_s: Figure = Figure(1.66 / 16384, "s/rank", "tools/bench_scale.py "
+                                              "(docs/DESIGN.md, 'The control plane at "
+                                              "scale'): declaration -> every member joined, "
+                                              "1.66 s at 16,384 simulated ranks on 2 shared "
+                                              "cores (0.28 s at 4,096, 0.062 s at 1,024); "
+                                              "control_plane(N) = this x N, the line through "
+                                              "the 16,384 point (above the smaller ones)")
     worker_start_s: Figure = Figure(60.0, "s", ASSUMPTION + ": process start, imports, "
                                     "Megatron initialisation, 65B model and optimizer build "
                                     "(our 8-rank CPU relaunch: 4.6 s, README "

@@ -6,8 +6,8 @@ source. The phases and their scaling in N:
   DeadPool's heartbeat timeout (launcher-based strategies) or Slurm's node timeout
   (checkpoint-restart); a hang: the progress timeout or NCCL's watchdog timeout; torchft:
   its collective timeout for every class. Constant in N.
-- control_plane(N) = c_cp x N (declaration to every rank joined; placeholder for
-  tools/bench_scale.py's measured figure).
+- control_plane(N) = c_cp x N (declaration to every rank joined, tools/bench_scale.py's
+  measured figure at 16,384 ranks).
 - nccl_init(N) = i0 + i100k x (N / 100,000)^2 (every group of a new generation or job).
 - worker_start: constant (every rank in parallel); scheduler requeue: constant.
 - save (durable, fully parallel) = c0 + 14 P / N / storage_bw_per_gpu; load = the same read
