@@ -36,7 +36,7 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
 from deadpool_megatron.control.sockets import sockets_to, store_server
 
-from deadpool_megatron.control.auth import SignedStore
+
 
 server = store_server("127.0.0.1", 0, timeout_s=10)
 SignedStore(server, "t" * 32, keys.epoch_prefix(0)).set(keys.members(0), "{}")
@@ -78,6 +78,37 @@ def test_a_generation_keeps_its_connection_until_cut_then_takes_the_prepared_one
     run = subprocess.run([sys.executable, "-c", TAKE], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+# The race of a fast sequence of declarations (a whole host lost, its ranks declared one
+# after another): generation 2 is declared while rank 0 starts joining generation 1, before
+# generation 1's connection existed, so the watcher cut the previous one. The rendezvous
+# must see the newer declaration itself, not wait on a connection nobody cuts until its
+# deadline (the control timeout: the hang analysis then took every survivor for hung).
+LATE = r"""
+import os, threading
+from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.control.sockets import store_server
+
+server = store_server("127.0.0.1", 0, timeout_s=10)
+ctl = ControlClient("127.0.0.1", server.port, "w0", timeout_s=600, token="t" * 32)
+ctl.members = lambda generation: {0: "w0", 1: "w1"}
+ctl._latest = 2  # what the watcher recorded of generation 2's declaration
+store, _ = ctl.take_connection()  # generation 1's, taken after the cut
+result = []
+t = threading.Thread(target=lambda: result.append(ctl.rendezvous(1, 2, 0, ctl.signed(store))),
+                     daemon=True)
+t.start()
+t.join(20)  # far below the 600 s deadline a missed declaration would wait for
+print("returned" if not t.is_alive() else "still waiting", result, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rendezvous_of_a_generation_already_superseded_returns_at_once() -> None:
+    run = subprocess.run([sys.executable, "-c", LATE], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert run.stdout.strip() == "returned [False]", run.stdout + run.stderr
 
 
 def test_a_loopback_master_address_is_recognised() -> None:

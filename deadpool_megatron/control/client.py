@@ -330,6 +330,10 @@ class ControlClient:
             self.store.set(ready, "1")
         deadline = time.monotonic() + self.timeout_s
         while True:
+            # A declaration that came before `waiter` was this generation's (the watcher
+            # cut the previous one's) must not leave the wait to its deadline.
+            if self._latest != generation:
+                return False
             try:
                 # One wait to the deadline: a wait that times out is cancelled, and torch's
                 # server, cancelling, walks every wait pending on the store, so thousands
@@ -343,8 +347,6 @@ class ControlClient:
             except dist.DistNetworkError:  # cut: by a newer declaration, or the store is gone
                 if self._latest == generation:
                     raise
-            if self._latest != generation:
-                return False
             self.check_shutdown()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.worker}: rendezvous of generation "
