@@ -28,6 +28,11 @@ from a calibration run's measured save and iteration times and --mtbf; k falls h
 interval after the first checkpoint. Time lost is each way's training time (iteration 1
 logged to the last iteration logged, so a relaunch's start-up counts) minus the
 failure-free one's. Then DeadPool's recovery at --ranks, as above (--repeats 1).
+
+    .venv/bin/python tools/bench_recovery.py --ranks 8 --megatron-lm-tree TREE
+
+measures the same job in Megatron-LM's own loop: TREE is a Megatron-LM checkout patched with
+deadpool-patch, whose own pretrain_gpt.py runs (on CPU with Megatron's CPU switches).
 """
 
 from __future__ import annotations
@@ -58,9 +63,21 @@ def model_args(world: int, iters: int) -> list[str]:
             "--global-batch-size", str(world), "--train-iters", str(iters), "--seed", "1234"]
 
 
+# Megatron-LM's own pretrain_gpt.py (--megatron-lm-tree): the same job, with Megatron's CPU
+# switches (no TransformerEngine, apex or fused kernels) and what its parser asks for.
+MEGATRON_LM_ARGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+                    "--no-persist-layer-norm", "--no-masked-softmax-fusion",
+                    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                    "--rerun-mode", "disabled", "--lr", "1e-3", "--vocab-size", "512",
+                    "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
+
+
 def job_args(world: int, ns: argparse.Namespace, events: Path, ckpt: Path | None) -> list[str]:
-    args = [*model_args(world, ns.iters), "--deadpool", "--deadpool-events", str(events),
-            "--deadpool-replay", ns.replay]
+    args = [*model_args(world, ns.iters), "--deadpool", "--deadpool-events", str(events)]
+    if ns.megatron_lm_tree is not None:
+        args += MEGATRON_LM_ARGS
+    else:
+        args += ["--deadpool-replay", ns.replay]
     if ckpt is not None:
         args += ["--save", str(ckpt), "--save-interval", str(ns.save_interval)]
     return args
@@ -99,8 +116,11 @@ def run_one(world: int, ns: argparse.Namespace, tmp: Path, name: str,
         env[MEGATRON_FAULT] = how["megatron"]
     if "progress_timeout" in how:
         args += ["--deadpool-progress-timeout", how["progress_timeout"]]
+    script = {} if ns.megatron_lm_tree is None else \
+        {"script": ns.megatron_lm_tree / "pretrain_gpt.py"}
     job = run_launched(["--nproc-per-node", str(world), "--spares", "1", "--logical-nodes", "2"],
-                       args, d, timeout_s=900, env=env)
+                       args, d, timeout_s=900, env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+                       **script)
     if not job.ok:
         kept = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{name}-"))
         shutil.copytree(d, kept, dirs_exist_ok=True)  # the run's directory goes away with tmp
@@ -278,12 +298,18 @@ def main() -> int:
                         "restart), then DeadPool's recovery at --ranks")
     p.add_argument("--mtbf", type=float, default=60.0,
                    help="--vs-checkpoint: the job's stated mean time between failures, s")
+    p.add_argument("--megatron-lm-tree", type=Path, default=None,
+                   help="a Megatron-LM checkout patched with deadpool-patch: measure its own "
+                        "pretrain_gpt.py (Megatron's loop) instead of ours")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--keep", type=Path, default=None,
                    help="an empty directory to keep every run's logs in (default: removed)")
     ns = p.parse_args()
     if ns.repeats is None:
         ns.repeats = 1 if ns.vs_checkpoint else 3
+    if ns.megatron_lm_tree is not None and (ns.vs_checkpoint or ns.replay != "local"):
+        p.error("--megatron-lm-tree measures hot-swap with local replay only: drop "
+                "--vs-checkpoint and --replay spread")
     summary: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as scratch:
         tmp = ns.keep or Path(scratch)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 from deadpool_megatron.config import ConfigError, TrainConfig, add_arguments, from_namespace
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import HookChain, LoopState, TrainingHooks
+from deadpool_megatron.reconstruct.rebind import NotWalked
 
 
 class ReenterTrain(Exception):
@@ -279,9 +280,12 @@ class Accumulated:
         self.iteration, self.losses, self.num_tokens = iteration, [], None
 
 
-class MegatronLoop:
+class MegatronLoop(NotWalked):
     """What the patched loop calls; holds the LoopState the hooks read. `work`: the
-    replay's, per iteration (hot-swap); `accumulated` lives as long as the worker."""
+    replay's, per iteration (hot-swap); `accumulated` lives as long as the worker.
+    Megatron's config reaches it (the wrapped reduction's closure); the rebind does not
+    walk it: its hooks hold no group of the training (the snapshot engine makes its own
+    at every generation), and walking them cost half a second a recovery."""
 
     def __init__(self, hooks: Sequence[TrainingHooks], state: LoopState, config: Any,
                  work: dict[int, Any] | None = None,
