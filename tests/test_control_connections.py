@@ -36,7 +36,7 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
 from deadpool_megatron.control.sockets import sockets_to, store_server
 
-
+from deadpool_megatron.control.auth import SignedStore
 
 server = store_server("127.0.0.1", 0, timeout_s=10)
 SignedStore(server, "t" * 32, keys.epoch_prefix(0)).set(keys.members(0), "{}")
