@@ -19,9 +19,9 @@ the fault-tolerance layer. The hook points land in Megatron's loop as in ours:
 The patched pretrain() calls train() through `run_train`, which can leave train() and enter
 it again at a restored iteration (`ReenterTrain`): the way back into Megatron's own loop
 after its state was restored from a snapshot. The hooks, the snapshot engine with them, stay
-the same across entries (`args.deadpool_hooks`). Under deadpool-launch, hot-swap enters
-the whole of pretrain() again per generation (megatron_lm_elastic.py), which sets
-`args.deadpool_hooks` each time.
+the same across entries (`args.deadpool_hooks`). Under deadpool-launch, hot-swap parks the
+training thread in `run_train` between generations and enters train() again there
+(megatron_lm_elastic.MegatronSession), with each generation's hooks.
 """
 
 from __future__ import annotations

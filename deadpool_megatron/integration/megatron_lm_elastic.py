@@ -31,7 +31,6 @@ import copy
 import inspect
 import logging
 import os
-import sys
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
@@ -109,7 +108,7 @@ class HotSwapPretrain:
         from megatron.training import get_args
 
         from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
-        from deadpool_megatron.training.driver import run_worker
+        from deadpool_megatron.training.driver import exit_now, run_worker
         from deadpool_megatron.training.elastic import new_worker_member
 
         margs = get_args()
@@ -132,7 +131,7 @@ class HotSwapPretrain:
         rc = run_worker(self.ctl, new_member, loop,
                         inherited_thread_context(cfg.distributed_backend))
         if rc != 0:
-            _exit(rc)
+            exit_now(rc)
         return loop.result
 
 
@@ -303,11 +302,3 @@ def _progress_board(timeout_s: float | None) -> Any:
     if board is not None:
         board.start_monitor()
     return board
-
-
-def _exit(code: int) -> None:
-    """Threads of broken generations may still sit in gloo; their groups' destructors would
-    block the interpreter's shutdown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -212,16 +212,16 @@ class _Driver:
                 return recover(member, self._stoppable(), self._build_together)
             except JobFlushed as flushed:
                 log.warning("%s", flushed)
-                _exit(0)
+                exit_now(0)
             except BaseException as again:  # noqa: BLE001 - sorted out below
                 self._flush_if_control_lost()
                 if isinstance(again, (JobShutdown, TimeoutError)):
                     log.error("rank %d: no recovery: %s", member.rank, again)
-                    _exit(1)
+                    exit_now(1)
                 if isinstance(again, (RecoveryImpossible, CannotContinue, NotAMember)):
-                    _exit(leave_job(member, again))
+                    exit_now(leave_job(member, again))
                 if not isinstance(again, Exception) or not caused_by_a_peer(again):
-                    _exit(leave_job(member, again, traceback.format_exc()))
+                    exit_now(leave_job(member, again, traceback.format_exc()))
                 err = without_frames(again)
 
     def _stoppable(self) -> TrainingThread | None:
@@ -234,7 +234,7 @@ class _Driver:
 
         if self.member.ctl.control_lost.is_set():
             flush_alone(self.member, self._stoppable())
-            _exit(1)
+            exit_now(1)
 
 
 # -- what every generation's training runs ----------------------------------------------------
@@ -314,7 +314,7 @@ def leave_job(member: Member, err: BaseException, details: str = "") -> int:
     return 3 if isinstance(err, RecoveryImpossible) else 1
 
 
-def _exit(code: int) -> None:
+def exit_now(code: int) -> None:
     """Threads of broken generations may still sit in gloo; their groups' destructors would
     block the interpreter's shutdown."""
     sys.stdout.flush()
