@@ -255,7 +255,7 @@ def test_inject_by_rank_into_a_running_job(tmp_path: Path, failure_free_8: JobRe
     requested = [e for e in ev if e["event"] == "fault_requested"]
     assert [(e["fault"], e["workers"]) for e in requested] == [("kill rank=5", ["w5"])]
     failed = [e for e in ev if e["event"] == "failure_detected"]
-    assert [(e["rank"], e["returncode"]) for e in failed] == [(5, -9)], failed
+    assert [(e["rank"], e["returncode"]) for e in failed] == [(5, -9)], json.dumps(failed)
 
 
 @pytest.mark.multiproc

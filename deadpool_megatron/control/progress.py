@@ -7,11 +7,16 @@ loop stamps its progress at every hook point (a counter, the iteration, the phas
 monitor thread stamps where the training thread is (in a collective, or elsewhere), and
 the launcher, another process, reads both: no GIL of the worker's can delay it.
 
-A record is eleven 64-bit integers in a file the launcher names (tmpfs where there is one),
-written with single aligned stores; readers take each field as last written. A record is
-not written at once, so the stores go in an order that no read between two of them can take
-for a stall: a stamp's time before its counter, the stamp ending a long operation before its
-end; a reader takes the long operation before the rest.
+A record is eleven 64-bit integers in a file the launcher names (tmpfs where there is one).
+Both sides map it and move each field with one aligned 8-byte store or load (a memoryview
+of 'q'), so a field is read as it was last written, never half of it: `struct.pack_into`
+zero-fills its target before it writes the bytes, and a launcher reading in between took a
+stamp of 0 for a stall as long as the host's uptime (a healthy rank declared hung), and a
+`pread` copies bytes, not fields. A record is not written at once, so the stores go in an
+order that no read between two of them can take for a stall: a stamp's time before its
+counter, the stamp ending a long operation before its end; a reader takes the long
+operation before the rest. The file appears whole (written aside, then renamed), so a
+reader never maps a file shorter than a record.
 """
 
 from __future__ import annotations
@@ -20,18 +25,17 @@ import contextlib
 import linecache
 import mmap
 import os
-import struct
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 FIELDS = ("counter", "iteration", "phase", "stamp_ns", "long_until_ns", "monitor_ns",
           "where", "iteration_ns", "timeout_ns", "pid", "generation")
-FORMAT = struct.Struct("<" + "q" * len(FIELDS))
+SIZE = 8 * len(FIELDS)
 PHASES = ("start", "forward", "microbatch", "backward", "reduction", "step", "iteration",
           "recovery", "done")
 # Where the monitor last saw the training thread.
@@ -65,30 +69,36 @@ class Progress:
         return PHASES[self.phase] if 0 <= self.phase < len(PHASES) else "?"
 
 
-FIELD = struct.Struct("<q")
 LONG_UNTIL = FIELDS.index("long_until_ns")
 
 
 def read(path: str) -> Progress | None:
     """The record at `path` (None before the worker created it). Its long operation is
     read before the rest: the worker stamps before it ends one (`long_operation`), so a
-    read that sees an operation over also sees the stamp that ended it, whatever the order
-    in which one read copies the fields."""
+    read that sees an operation over also sees the stamp that ended it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        long_until = os.pread(fd, FIELD.size, FIELD.size * LONG_UNTIL)
-        data = os.pread(fd, FORMAT.size, 0)
-    except OSError:
+        record = mmap.mmap(fd, SIZE, prot=mmap.PROT_READ)
+    except (OSError, ValueError):  # not there, or shorter than a record
         return None
     finally:
         os.close(fd)
-    if len(long_until) < FIELD.size or len(data) < FORMAT.size:
-        return None
-    fields = list(FORMAT.unpack(data))
-    fields[LONG_UNTIL] = FIELD.unpack(long_until)[0]
+    with record:
+        words = memoryview(record).cast("q")
+        try:
+            return record_of(words)
+        finally:
+            words.release()
+
+
+def record_of(words: Sequence[int]) -> Progress:
+    """The fields, one load each, the long operation first (see `read`)."""
+    long_until = words[LONG_UNTIL]
+    fields = [words[i] for i in range(len(FIELDS))]
+    fields[LONG_UNTIL] = long_until
     return Progress(*fields)
 
 
@@ -96,15 +106,18 @@ class ProgressBoard:
     """The worker's side: owns its record; a hook stamps it at every point of the loop."""
 
     def __init__(self, path: str, timeout_s: float | None) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        aside = f"{path}.{os.getpid()}.new"
+        fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, FORMAT.size)
-            self._map = mmap.mmap(fd, FORMAT.size)
+            os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
-        self._index = {name: i * 8 for i, name in enumerate(FIELDS)}
+        self._words = memoryview(self._map).cast("q")
+        self._index = {name: i for i, name in enumerate(FIELDS)}
         self._counter = 0
         self._set(pid=os.getpid(), timeout_ns=int((timeout_s or 0) * 1e9))
+        os.rename(aside, path)  # whole, at once: a reader never maps a short file
         self.training_thread: int | None = None
         self._stop = threading.Event()
 
@@ -115,7 +128,7 @@ class ProgressBoard:
 
     def _set(self, **fields: int) -> None:
         for name, value in fields.items():
-            struct.pack_into("<q", self._map, self._index[name], value)
+            self._words[self._index[name]] = value  # one aligned 8-byte store
 
     def stamp(self, phase: str, iteration: int) -> None:
         self._counter += 1
@@ -128,7 +141,7 @@ class ProgressBoard:
         self._set(generation=generation)
 
     def iteration_took(self, seconds: float) -> None:
-        current = struct.unpack_from("<q", self._map, self._index["iteration_ns"])[0]
+        current = self._words[self._index["iteration_ns"]]
         self._set(iteration_ns=max(current, int(seconds * 1e9)))
 
     @contextlib.contextmanager

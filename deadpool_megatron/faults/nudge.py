@@ -55,7 +55,8 @@ def nudge(path: str) -> bool:
         data = os.pread(fd, _WORD.size, 0)
         if len(data) < _WORD.size:
             return False
-        os.pwrite(fd, _WORD.pack(_WORD.unpack(data)[0] + 1), 0)  # one aligned store
+        # A worker reading mid-write sees some other value: one more store read, no harm.
+        os.pwrite(fd, _WORD.pack(_WORD.unpack(data)[0] + 1), 0)
         return True
     finally:
         os.close(fd)
