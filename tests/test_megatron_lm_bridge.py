@@ -280,3 +280,11 @@ def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
             deadpool=True, inprocess_restart=False, num_layers_per_virtual_pipeline_stage=1))
     with pytest.raises(HotSwapUnsupported, match="drop --exit-signal-handler"):
         maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, exit_signal_handler=True))
+    with pytest.raises(HotSwapUnsupported, match="not verified with --fp8-format, "
+                                                 "--tp-comm-overlap, --cuda-graph-impl"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, fp8="hybrid",
+                                                 tp_comm_overlap=True,
+                                                 cuda_graph_impl="transformer_engine"))
+    with pytest.raises(HotSwapUnsupported, match="not verified with --use-nccl-ub:"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, nccl_ub=True, fp8=None,
+                                                 cuda_graph_impl="none"))

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 from deadpool_megatron.config import ConfigError, TrainConfig, add_arguments, from_namespace
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import HookChain, LoopState, TrainingHooks
+from deadpool_megatron.integration import ddp_overlap
 from deadpool_megatron.reconstruct.rebind import NotWalked
 
 
@@ -193,7 +194,7 @@ def enter_train(train: Callable, call: inspect.BoundArguments) -> Any:
         margs.consumed_train_samples = int(restored["consumed_samples"])
         call.arguments["train_data_iterator"] = train_iterator_at(
             call.arguments["train_data_iterator"], margs.consumed_train_samples)
-        left_train(margs.iteration)
+        left_train(margs.iteration, call.arguments)
         if _rank() == 0:  # printed, as Megatron's own lines are (its logging stays quiet)
             print(f"{reason}: Megatron's train() entered again at iteration {margs.iteration} "
                   f"({margs.consumed_train_samples} samples consumed)", flush=True)
@@ -242,13 +243,15 @@ def train_iterator_at(iterator: Any, consumed_samples: int) -> Any:
         return RerunDataIterator(iter(loader))
 
 
-def left_train(iteration: int) -> None:
+def left_train(iteration: int, arguments: dict[str, Any]) -> None:
     """What a train() left in the middle of an iteration leaves behind, put back as at the
-    start of iteration `iteration` + 1: its timers running (a timer started twice asserts;
-    Megatron's Timers has no public list of them), and the rerun state machine inside a
-    forward-backward pass (it would skip the next one)."""
+    start of iteration `iteration` + 1 (called before every entry of train(), the first
+    too): its timers running (a timer started twice asserts; Megatron's Timers has no
+    public list of them); the rerun state machine inside a forward-backward pass (it would
+    skip the next one); the overlap functions train() puts in the model's config (it asserts
+    they are unset); DDP's overlapped communication (ddp_overlap.py)."""
     from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-    from megatron.training import get_timers
+    from megatron.training import get_args, get_timers
 
     for timer in getattr(get_timers(), "_timers", {}).values():
         if getattr(timer, "_started", False):
@@ -256,6 +259,16 @@ def left_train(iteration: int) -> None:
     machine = get_rerun_state_machine()
     machine.state = RerunState.NOT_RUNNING_YET
     machine.current_iteration = iteration  # as train() sets it from args.iteration
+    margs, config, model = get_args(), arguments["config"], arguments["model"]
+    if getattr(margs, "overlap_grad_reduce", False):
+        config.no_sync_func = None
+        if getattr(margs, "align_grad_reduce", False):
+            config.grad_sync_func = None
+    if getattr(margs, "overlap_param_gather", False) and \
+            getattr(margs, "align_param_gather", False):
+        config.param_sync_func = None
+    ddp_overlap.put_back(model)
+    ddp_overlap.gather_params(model)
 
 
 def _rank() -> int:
@@ -298,7 +311,10 @@ class MegatronLoop(NotWalked):
         self._forwards = 0  # forward steps of the running iteration
         self._config = config
         self._finalize: Callable | None = getattr(config, "finalize_model_grads_func", None)
+        self._reducing = False  # the running iteration's reduction began
+        self._model = list(state.objects.model) if state.objects is not None else []
         self._guard_reduction(config)
+        ddp_overlap.watch_bucket_reductions(self._model, self._reduction_begins)
 
     @classmethod
     def start(cls, args: argparse.Namespace, model: list, optimizer: Any, scheduler: Any,
@@ -340,12 +356,26 @@ class MegatronLoop(NotWalked):
         @functools.wraps(original)
         def finalize(model: Any, num_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
             self.accumulated.num_tokens = num_tokens
-            self.hooks.before_grad_reduction(self.state)
-            self.hooks.on_phase("reduction", self.state)
+            self._reduction_begins()
             return original(model, num_tokens, *args, **kwargs)
 
         finalize.deadpool_original = original  # type: ignore[attr-defined]
         config.finalize_model_grads_func = finalize
+
+    def _reduction_begins(self, accumulated: bool = True) -> None:
+        """In finalize_model_grads, or at the first bucket an overlapped reduction starts
+        (ddp_overlap.py), whichever comes first. A bucket that starts while the backward
+        pass still fills others (`accumulated` False) leaves no gradient to keep: the
+        ledger is told the reduction began before the data-parallel barrier."""
+        if self._reducing:
+            return
+        self._reducing = True
+        if not accumulated:
+            self.hooks.on_phase("reduction", self.state)
+            self.hooks.before_grad_reduction(self.state)
+            return
+        self.hooks.before_grad_reduction(self.state)
+        self.hooks.on_phase("reduction", self.state)
 
     def _keeps(self) -> bool:
         """The running iteration keeps the gradients accumulated before a failure and
@@ -377,8 +407,11 @@ class MegatronLoop(NotWalked):
             if not self._keeps():
                 return forward_backward_func(*args, **kwargs)
             model = kwargs["model"]
+            model = model if isinstance(model, list) else [model]
+            self._reduction_begins()  # every gradient is there: kept
+            ddp_overlap.start_grad_syncs(model)  # the backward it skips would have
             self._config.finalize_model_grads_func(
-                model if isinstance(model, list) else [model], self.accumulated.num_tokens,
+                model, self.accumulated.num_tokens,
                 pg_collection=kwargs.get("pg_collection"),
                 force_all_reduce=kwargs.get("force_all_reduce", False))
             return list(self.accumulated.losses)
@@ -412,6 +445,7 @@ class MegatronLoop(NotWalked):
     def iteration_start(self, iteration: int, consumed_samples: int) -> None:
         self.state.iteration, self.state.consumed_samples = iteration, consumed_samples
         self._forwards = 0
+        self._reducing = False
         self._current = self.work.get(iteration + 1)
         if not self._keeps():
             self.accumulated.reset(iteration + 1)
@@ -434,12 +468,17 @@ class MegatronLoop(NotWalked):
         self.hooks.on_train_end(self.state)
         if self._finalize is not None:
             self._config.finalize_model_grads_func = self._finalize
+        ddp_overlap.unwatch_bucket_reductions(self._model)
         import torch.distributed as dist
 
         if dist.is_initialized():
             from deadpool_megatron.integration.fingerprint import job_fingerprint
 
             objs = self.state.objects
+            # With --overlap-param-gather the last step's parameters reach the ranks that do
+            # not own them in a next forward that never comes: gathered here, the job's
+            # state is the same with and without the overlap.
+            ddp_overlap.gather_params(objs.model)
             fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
             if dist.get_rank() == 0:
                 print(f"state fingerprint: {fingerprint}", flush=True)

@@ -62,6 +62,14 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
         raise HotSwapUnsupported("hot-swap runs Megatron's pretrain() in a thread of its own, "
                                  "where no signal handler can be installed: drop "
                                  "--exit-signal-handler (deadpool-launch handles SIGTERM)")
+    unverified = unverified_features(args)
+    if unverified:
+        raise HotSwapUnsupported(
+            f"hot-swap in Megatron's own loop is not verified with {', '.join(unverified)}: "
+            f"their state (fp8 scaling history, communicators registered with buffers, "
+            f"captured CUDA graphs) is not in the snapshot, and the group audit cannot see "
+            f"it; drop them, or drop --deadpool (deadpool-launch then restarts the job "
+            f"from --save)")
     if getattr(args, "deadpool_replay", "local") != "local":
         raise HotSwapUnsupported("--deadpool-replay spread is not supported in Megatron's own "
                                  "loop yet (its schedules take one micro-batch count per "
@@ -70,6 +78,21 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
 
     ctl = ControlClient.from_env()  # joins the control plane now, before any group
     return HotSwapPretrain(pretrain, ctl)
+
+
+# Megatron's argument, the flag that sets it, and the value that leaves it off.
+_UNVERIFIED = (("fp8", "--fp8-format", None), ("fp4", "--fp4-format", None),
+               ("tp_comm_overlap", "--tp-comm-overlap", False),
+               ("nccl_ub", "--use-nccl-ub", False),
+               ("cuda_graph_impl", "--cuda-graph-impl", "none"),
+               ("enable_cuda_graph", "--enable-cuda-graph", False),
+               ("external_cuda_graph", "--external-cuda-graph", False))
+
+
+def unverified_features(args: argparse.Namespace) -> list[str]:
+    """The flags of `args` whose state hot-swap does not carry yet (until a GPU run shows
+    it): each named as the user typed it."""
+    return [flag for name, flag, off in _UNVERIFIED if getattr(args, name, off) not in (off, None)]
 
 
 def inherited_thread_context(backend: str) -> Callable[[], ContextManager]:
@@ -256,7 +279,7 @@ class MegatronSession(NotWalked):
                 # This rank recomputes: its iterator goes back to the restored position.
                 call.arguments["train_data_iterator"] = train_iterator_at(
                     call.arguments["train_data_iterator"], state.consumed_samples)
-            left_train(state.iteration)
+            left_train(state.iteration, call.arguments)
             return enter_train(train, call)
 
         return self.thread.generations(train_once, work)

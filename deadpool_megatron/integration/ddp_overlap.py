@@ -1,0 +1,100 @@
+"""Megatron DDP's overlapped communication (--overlap-grad-reduce, --overlap-param-gather)
+across a cut iteration.
+
+With --overlap-grad-reduce a bucket's gradient reduction starts inside the backward pass,
+as soon as its gradients are ready, not in finalize_model_grads: a replica whose buckets
+began reducing with a peer that then died holds partly reduced buffers, so the ledger must
+see the reduction begin at the first bucket (`watch_bucket_reductions`). A train() left in
+the middle of an iteration leaves its bucket groups with handles of the broken
+generation's collectives and half-counted gradients; `put_back` makes them as at an
+iteration's start. With --overlap-param-gather the parameters other ranks own arrive in the
+next forward's pre-hooks, which train() turns off for its first iteration: a train() entered
+again must first gather them (`gather_params`), as a failure-free iteration would have.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+
+def bucket_groups(chunk: Any) -> list[Any]:
+    """A model chunk's bucket groups ([] for a chunk that is not Megatron's DDP)."""
+    return [*getattr(chunk, "bucket_groups", ()),
+            *getattr(chunk, "expert_parallel_bucket_groups", ())]
+
+
+def _overlaps(chunk: Any, flag: str) -> bool:
+    return bool(getattr(getattr(chunk, "ddp_config", None), flag, False))
+
+
+def watch_bucket_reductions(model: Sequence[Any], begins: Callable[[bool], None]) -> None:
+    """Call `begins(accumulated)` before any bucket of an overlapped reduction starts:
+    `accumulated` is False for a bucket found ready by the backward pass, which may still
+    be filling others (DDP's gradient hook, `register_grad_ready`), True otherwise (the
+    schedule's grad_sync_func after the last backward, finalize_model_grads). Wrapped per
+    entry of train(); a wrapper left by a train() that was left wraps nothing twice."""
+    in_hook = [False]
+    for chunk in model:
+        if not _overlaps(chunk, "overlap_grad_reduce"):
+            continue
+        for group in bucket_groups(chunk):
+            start, ready = _original(group.start_grad_sync), _original(group.register_grad_ready)
+
+            def watched_start(*args: Any, _start: Callable = start, **kwargs: Any) -> Any:
+                begins(not in_hook[0])
+                return _start(*args, **kwargs)
+
+            def watched_ready(*args: Any, _ready: Callable = ready, **kwargs: Any) -> Any:
+                in_hook[0] = True
+                try:
+                    return _ready(*args, **kwargs)
+                finally:
+                    in_hook[0] = False
+
+            watched_start.deadpool_original = start  # type: ignore[attr-defined]
+            watched_ready.deadpool_original = ready  # type: ignore[attr-defined]
+            group.start_grad_sync, group.register_grad_ready = watched_start, watched_ready
+
+
+def _original(method: Callable) -> Callable:
+    return getattr(method, "deadpool_original", method)
+
+
+def unwatch_bucket_reductions(model: Sequence[Any]) -> None:
+    for chunk in model:
+        for group in bucket_groups(chunk):
+            for name in ("start_grad_sync", "register_grad_ready"):
+                if hasattr(getattr(group, name), "deadpool_original"):
+                    delattr(group, name)  # the class's method again
+
+
+def start_grad_syncs(model: Sequence[Any]) -> None:
+    """Dispatch every bucket's reduction (an iteration that kept its gradients ran no
+    backward, which would have): finalize_model_grads then waits for them."""
+    for chunk in model:
+        if _overlaps(chunk, "overlap_grad_reduce"):
+            chunk.start_grad_sync()
+
+
+def put_back(model: Sequence[Any]) -> None:
+    """Each bucket group as at an iteration's start: no collective of a broken generation
+    in flight, no gradient counted ready; the forward pre-hooks on (train() turns them off
+    on entry and asserts they were on)."""
+    for chunk in model:
+        for group in bucket_groups(chunk):
+            group.grad_reduce_handle = None
+            group.param_gather_handle = None
+            group.param_gather_dispatched = False
+            group.per_param_grad_ready_counts = {}  # reset() checks a first batch's counts
+            group.reset()
+        if getattr(chunk, "use_forward_hook", False) and \
+                not chunk.remove_forward_pre_hook_handles:
+            chunk.enable_forward_pre_hook()
+
+
+def gather_params(model: Sequence[Any]) -> None:
+    """Every parameter as its owner's optimizer last wrote it (a collective over each
+    chunk's data-parallel group: every member of the generation calls it)."""
+    for chunk in model:
+        if _overlaps(chunk, "overlap_param_gather"):
+            chunk.start_param_sync(force_sync=True)
