@@ -274,21 +274,23 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
 
 
 @pytest.mark.fault_matrix
-def test_overlapped_reduction_and_param_gather_are_hot_swapped(
+def test_overlapped_communication_and_recomputation_are_hot_swapped(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """--overlap-grad-reduce --overlap-param-gather: a bucket's reduction starts inside the
-    backward pass and the parameters arrive in the next forward. Kills in iteration 1's
+    backward pass and the parameters arrive in the next forward; with full activation
+    recomputation (the recomputed forward draws the same dropout masks). Kills in iteration 1's
     forward (the other replica keeps its gradients: in a first batch Megatron starts the
     buckets after the backward), iteration 2's backward (the other replica's buckets began
     reducing in its backward: nothing is kept), iteration 3's reduction and before
     iteration 4's step. train() is entered again with its buckets put back and the
     parameters gathered; the run ends with the fingerprint of the failure-free run without
-    the overlap (the same sums, in the same buckets)."""
+    the overlap or the recomputation (the same sums, in the same buckets)."""
     run, _ = plain
     job, events = _hot_swap(tmp_path, patched_tree, [
         "kill rank=5 iter=1 phase=forward", "kill rank=2 iter=2 phase=backward",
         "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4,
-        extra=["--overlap-grad-reduce", "--overlap-param-gather"])
+        extra=["--overlap-grad-reduce", "--overlap-param-gather", "--recompute-granularity",
+               "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     recovered = check_recoveries(job, events, run.fingerprint, count=4)
     gen = {g: {e["rank"]: e for e in recovered if e["generation"] == g} for g in range(1, 5)}
     kept = {g: {r for r, e in gen[g].items() if e["kept_grads"]} for g in gen}

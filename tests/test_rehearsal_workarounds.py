@@ -16,7 +16,7 @@ from deadpool_megatron.rehearsal import WORKAROUNDS, CpuRehearsal, prepare_megat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only workarounds")
 TESTED = {
-    "paged-stash-import", "cpu-rng-tracker", "cuda-device-literals", "cuda-tensor-type-names",
+    "paged-stash-import", "cpu-rng-tracker", "recompute-rng-state", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
     "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
     "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
@@ -40,6 +40,27 @@ def megatron_world_of_one():
 
 def test_every_workaround_is_tested() -> None:
     assert {w.name for w in WORKAROUNDS} == TESTED
+
+
+def test_recompute_rng_state_needed_and_works() -> None:
+    """Megatron's activation recomputation (tensor_parallel.checkpoint) draws the forward's
+    dropout mask again in the recomputed forward: the gradient flows exactly where the
+    forward kept an element."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    x = torch.randn(256, requires_grad=True)
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(t, 0.5, training=True) * 2
+
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        mrandom.checkpoint(layer, False, x)  # retire 'recompute-rng-state' if this passes
+    with CpuRehearsal():
+        torch.manual_seed(3)
+        out = mrandom.checkpoint(layer, False, x)
+        out.sum().backward()
+    assert torch.equal(x.grad != 0, out.detach() != 0)
+    assert 0 < int((out != 0).sum()) < 256  # a mask that could have differed
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -70,7 +70,7 @@ class CpuRehearsal:
     def __init__(self) -> None:
         self._mode = _CudaOnCpuMode()
         self._saved_cuda: dict[str, Any] = {}
-        self._saved_tracker: tuple[Any, bool] | None = None
+        self._saved_tracker: tuple[Any, ...] | None = None
         self._host_stream = _HostStream()
 
     def _cuda_patches(self) -> dict[str, Any]:

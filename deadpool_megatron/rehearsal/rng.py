@@ -56,17 +56,34 @@ def make_cpu_rng_tracker() -> Any:
     return CpuRNGStatesTracker()
 
 
-def install_cpu_rng_tracker() -> tuple[Any, bool]:
-    """Make Megatron's get_cuda_rng_tracker() return a CPU tracker; returns what it replaced."""
+def _cpu_generator_state(device: Any = "cuda", clone: bool = False,
+                         graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()  # a copy already
+
+
+def _set_cpu_generator_state(new_state: torch.Tensor, device: Any = -1,
+                             graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def install_cpu_rng_tracker() -> tuple[Any, ...]:
+    """Make Megatron's get_cuda_rng_tracker() return a CPU tracker, and its reads and writes
+    of "the CUDA generator" (activation recomputation saves and restores it around the
+    recomputed forward, so dropout draws the same masks) go to the CPU default generator,
+    CUDA's stand-in here; returns what it replaced."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    previous = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    previous = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+                mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     mrandom._CUDA_RNG_STATE_TRACKER = make_cpu_rng_tracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = _cpu_generator_state
+    mrandom._set_cuda_rng_state = _set_cpu_generator_state
     return previous
 
 
-def restore_rng_tracker(previous: tuple[Any, bool]) -> None:
+def restore_rng_tracker(previous: tuple[Any, ...]) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = previous
+    (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) = previous

@@ -28,6 +28,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tensor_parallel/random.py:303-345",),
     ),
     Workaround(
+        "recompute-rng-state",
+        "Activation recomputation (--recompute-granularity) saves the CUDA generator's state "
+        "before a checkpointed forward and sets it again for the recomputed one, so dropout "
+        "draws the same masks; on CPU the generator dropout draws from is torch's default "
+        "one, so those reads and writes go to it.",
+        ("tensor_parallel/random.py:104-160,525-541",),
+    ),
+    Workaround(
         "cuda-device-literals",
         "Buffers are allocated with device='cuda' or torch.cuda.current_device(); a torch "
         "function mode maps CUDA devices to the CPU and Tensor.cuda() to a no-op.",
