@@ -16,7 +16,8 @@ from deadpool_megatron.rehearsal import WORKAROUNDS, CpuRehearsal, prepare_megat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only workarounds")
 TESTED = {
-    "paged-stash-import", "cpu-rng-tracker", "recompute-rng-state", "cuda-device-literals", "cuda-tensor-type-names",
+    "paged-stash-import", "cpu-rng-tracker", "recompute-rng-state",
+    "sequence-parallel-torch-norm", "cuda-device-literals", "cuda-tensor-type-names",
     "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
     "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
     "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
@@ -61,6 +62,28 @@ def test_recompute_rng_state_needed_and_works() -> None:
         out.sum().backward()
     assert torch.equal(x.grad != 0, out.detach() != 0)
     assert 0 < int((out != 0).sum()) < 256  # a mask that could have differed
+
+
+def test_sequence_parallel_torch_norm_needed_and_works() -> None:
+    """The local spec's norm under --sequence-parallel: refused bare; with the workaround,
+    torch's norm with its weights marked for the tensor-parallel gradient sum, the model's
+    config untouched, and nothing marked without sequence parallelism."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    plain = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    config.sequence_parallel = True  # as with TP > 1 (validated at TP 1, so set after)
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        WrappedTorchNorm(config=config, hidden_size=8)  # retire the workaround if this passes
+    with CpuRehearsal():
+        norm = WrappedTorchNorm(config=config, hidden_size=8)
+        unmarked = WrappedTorchNorm(config=plain, hidden_size=8)
+    assert isinstance(norm, torch.nn.LayerNorm) and config.sequence_parallel
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert not any(getattr(p, "sequence_parallel", False) for p in unmarked.parameters())
+    with pytest.raises(AssertionError):  # undone on exit
+        WrappedTorchNorm(config=config, hidden_size=8)
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

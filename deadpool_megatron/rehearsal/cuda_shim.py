@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from deadpool_megatron.rehearsal.norm import install_sequence_parallel_norm, restore_norm
 from deadpool_megatron.rehearsal.rng import install_cpu_rng_tracker, restore_rng_tracker
 
 _CPU = torch.device("cpu")
@@ -71,6 +72,7 @@ class CpuRehearsal:
         self._mode = _CudaOnCpuMode()
         self._saved_cuda: dict[str, Any] = {}
         self._saved_tracker: tuple[Any, ...] | None = None
+        self._saved_norm: Any = None
         self._host_stream = _HostStream()
 
     def _cuda_patches(self) -> dict[str, Any]:
@@ -86,6 +88,7 @@ class CpuRehearsal:
             self._saved_cuda[name] = getattr(cuda, name)
             setattr(cuda, name, replacement)
         self._saved_tracker = install_cpu_rng_tracker()
+        self._saved_norm = install_sequence_parallel_norm()
         self._mode.__enter__()
         return self
 
@@ -98,6 +101,9 @@ class CpuRehearsal:
         if self._saved_tracker is not None:
             restore_rng_tracker(self._saved_tracker)
             self._saved_tracker = None
+        if self._saved_norm is not None:
+            restore_norm(self._saved_norm)
+            self._saved_norm = None
         for name, original in self._saved_cuda.items():
             setattr(torch.cuda, name, original)
         self._saved_cuda.clear()

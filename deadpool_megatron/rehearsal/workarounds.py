@@ -36,6 +36,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tensor_parallel/random.py:104-160,525-541",),
     ),
     Workaround(
+        "sequence-parallel-torch-norm",
+        "The local layer spec's norm (torch's LayerNorm/RMSNorm) asserts that sequence "
+        "parallelism is off; apex's and TransformerEngine's norms allow it by marking their "
+        "weights sequence_parallel, so finalize_model_grads sums their gradients over the "
+        "tensor-parallel group. On CPU torch's norm is built the same way, with that mark.",
+        ("transformer/torch_norm.py:50", "distributed/finalize_model_grads.py:452"),
+    ),
+    Workaround(
         "cuda-device-literals",
         "Buffers are allocated with device='cuda' or torch.cuda.current_device(); a torch "
         "function mode maps CUDA devices to the CPU and Tensor.cuda() to a no-op.",
