@@ -26,6 +26,9 @@ class LoopState:
     objects: Any  # integration.model.TrainingObjects
     # The running iteration's per-micro-batch losses (last pipeline stage), for the log line.
     microbatch_losses: list[float] = field(default_factory=list)
+    # Validation samples consumed by the evaluations up to and including this iteration's
+    # (Megatron-LM's loop evaluates after an iteration; ours does not evaluate).
+    valid_consumed: int = 0
 
 
 class TrainingHooks:

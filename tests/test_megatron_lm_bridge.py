@@ -194,7 +194,7 @@ def test_run_train_enters_train_again_where_the_restore_put_it(monkeypatch) -> N
     timers = Timers(0, "minmax")
     monkeypatch.setattr(training, "get_args", lambda: margs)
     monkeypatch.setattr(training, "get_timers", lambda: timers)
-    monkeypatch.setattr(megatron_lm, "train_iterator_at",
+    monkeypatch.setattr(megatron_lm, "data_iterator_at",
                         lambda iterator, consumed: f"train@{consumed}")
     from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 

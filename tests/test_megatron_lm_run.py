@@ -41,7 +41,13 @@ MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
          "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
          "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--distributed-backend", "gloo",
-         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
+         "--eval-iters", "1", "--eval-interval", "2", "--log-interval", "1"]
+VALIDATION = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: (\S+)")
+
+
+def _validation(output: str) -> list[tuple[str, str, str]]:
+    """Each evaluation's report: iteration, set (the end's), loss."""
+    return VALIDATION.findall(output)
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
@@ -73,6 +79,22 @@ def plain(patched_tree: Path, tmp_path_factory) -> tuple[JobResult, Path]:
     assert run.ok, run.describe()
     assert sorted(run.losses) == [1, 2, 3, 4] and run.fingerprint, run.describe()
     return run, ckpt
+
+
+# Features the errors-and-hang job runs with, against a failure-free run of its own: sequence
+# parallelism (CPU workaround sequence-parallel-torch-norm), MoE with expert parallelism
+# (expert groups are parallel groups too: rebound and audited), bf16.
+FEATURES = ["--sequence-parallel", "--num-experts", "4", "--expert-model-parallel-size", "2",
+            "--moe-router-topk", "2", "--expert-tensor-parallel-size", "1", "--bf16"]
+
+
+@pytest.fixture(scope="module")
+def plain_features(patched_tree: Path, tmp_path_factory) -> JobResult:
+    out = tmp_path_factory.mktemp("plain_features")
+    run = run_job(8, [*MODEL, *CPU_FLAGS, *FEATURES], out / "logs", timeout_s=400,
+                  script=patched_tree / "pretrain_gpt.py", env=ENV)
+    assert run.ok and run.fingerprint, run.describe()
+    return run
 
 
 @pytest.mark.fault_matrix
@@ -246,22 +268,28 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
     for g, failed in ((1, 5), (2, 2), (3, 6), (4, 1)):
         assert {r for r, e in gen[g].items() if e["how"] == "buddy"} == {failed}, gen[g]
     assert job.losses[4] == run.losses[4], job.describe()
+    # Evaluations after iterations 2 and 4 read what the failure-free run read: the spare
+    # that took rank 6 (its data iterators' rank) in iteration 3 starts its validation
+    # iterator where iteration 2's evaluation left the others.
+    assert len(_validation(run.output)) == 4 and \
+        _validation(job.output) == _validation(run.output), job.describe()
 
 
 @pytest.mark.fault_matrix
 def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
-        patched_tree: Path, plain, tmp_path: Path) -> None:
+        patched_tree: Path, plain_features: JobResult, tmp_path: Path) -> None:
     """Failures as they come: a CUDA error raised by Megatron-Core's TransformerLayer.forward
     in rank 6 (not our injector: faults/megatron_faults.py, its 3rd call: iteration 2's
     first micro-batch), an exception of rank 2's own in iteration 3, and rank 5 stopped
     (SIGSTOP) in iteration 4's backward, found by its stalled progress and killed by its
     launcher. A rank's own error leaves at once with its traceback; every one is taken by a
-    spare and the run ends with the failure-free fingerprint."""
-    run, _ = plain
+    spare and the run ends with the failure-free fingerprint. The job runs with sequence
+    parallelism, MoE over two expert-parallel ranks and bf16 (FEATURES)."""
+    run = plain_features
     job, events = _hot_swap(
         tmp_path, patched_tree,
         ["raise rank=2 iter=3 phase=forward", "hang rank=5 iter=4 phase=backward"], spares=3,
-        extra=["--deadpool-progress-timeout", "5"],
+        extra=["--deadpool-progress-timeout", "5", *FEATURES],
         env={MEGATRON_FAULT: "raise rank=6 at=forward call=3"})
     check_recoveries(job, events, run.fingerprint, count=3)
     assert _spares_took(events) == [(1, [6], ["6"]), (2, [2], ["2"]), (3, [5], ["5"])]
@@ -271,6 +299,7 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
     assert job.output.count("Traceback (most recent call last)") >= 2, job.describe()
     verdicts = [(e["culprits"], e["certain"]) for e in events if e["event"] == "hang_localized"]
     assert verdicts == [(["w5"], True)], verdicts
+    assert _validation(job.output) == _validation(run.output), job.describe()
 
 
 @pytest.mark.fault_matrix
@@ -297,3 +326,4 @@ def test_overlapped_communication_and_recomputation_are_hot_swapped(
     assert kept == {1: {2, 3, 6, 7}, 2: set(), 3: set(), 4: set()}, kept
     assert all(gen[1][r]["microbatches_recomputed"] == 0 for r in kept[1])
     assert job.losses[4] == run.losses[4], job.describe()
+    assert _validation(job.output) == _validation(run.output), job.describe()

@@ -192,8 +192,9 @@ def enter_train(train: Callable, call: inspect.BoundArguments) -> Any:
         restored = restore(megatron_objects(call.arguments))
         margs.iteration = margs.curr_iteration = int(restored["iteration"])
         margs.consumed_train_samples = int(restored["consumed_samples"])
-        call.arguments["train_data_iterator"] = train_iterator_at(
+        call.arguments["train_data_iterator"] = data_iterator_at(
             call.arguments["train_data_iterator"], margs.consumed_train_samples)
+        validation_at(call.arguments, int(restored.get("valid_consumed", 0)))
         left_train(margs.iteration, call.arguments)
         if _rank() == 0:  # printed, as Megatron's own lines are (its logging stays quiet)
             print(f"{reason}: Megatron's train() entered again at iteration {margs.iteration} "
@@ -218,13 +219,14 @@ def megatron_objects(arguments: dict[str, Any]) -> Any:
                            held=[held])
 
 
-def train_iterator_at(iterator: Any, consumed_samples: int) -> Any:
-    """A training data iterator like `iterator` (Megatron's, over the same dataset) that
-    starts at `consumed_samples`: built locally, the dataset kept. The random streams are
-    left as they were (making a DataLoader's iterator draws its workers' base seed from
-    torch's default generator, which on CPU dropout reads too)."""
+def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
+    """Megatron's data iterator (training or validation) moved to `consumed_samples`, in
+    place: the same object reads a loader built locally over the same dataset, so every
+    holder of it (pretrain() keeps the validation iterator for its final evaluation) reads
+    from there on. The random streams are left as they were (making a DataLoader's iterator
+    draws its workers' base seed from torch's default generator, which on CPU dropout reads
+    too)."""
     import torch
-    from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training import get_args
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 
@@ -240,7 +242,41 @@ def train_iterator_at(iterator: Any, consumed_samples: int) -> Any:
                            f"{get_args().dataloader_type}")
     loader = build_pretraining_data_loader(dataset, consumed_samples)
     with torch.random.fork_rng(devices=[]):
-        return RerunDataIterator(iter(loader))
+        iterator.iterable = iter(loader)
+    # Nothing of the old position replays (RerunDataIterator's own record of it).
+    iterator.saved_microbatches, iterator.replaying, iterator.replay_pos = [], False, 0
+    return iterator
+
+
+def evaluated(args: argparse.Namespace, iteration: int) -> int:
+    """The validation samples train() consumes evaluating after `iteration` (0: no
+    evaluation then), by train()'s own condition and evaluate()'s batch."""
+    interval = getattr(args, "eval_interval", None)
+    start = getattr(args, "start_eval_at_iter", None)
+    if not interval or iteration % interval or not getattr(args, "do_valid", False) or \
+            (start is not None and iteration < start):
+        return 0
+    return int(args.eval_iters) * int(getattr(args, "eval_global_batch_size", None)
+                                      or args.global_batch_size)
+
+
+def validation_at(arguments: dict[str, Any], valid_consumed: int) -> None:
+    """The validation iterator where the evaluations up to the restored iteration left it
+    (a spare's starts at 0; a survivor's is where its last evaluation left it), so the next
+    evaluation reads what a failure-free run reads. Megatron's --full-validation reads the
+    whole set each time: nothing to move."""
+    from megatron.training import get_args
+
+    margs = get_args()
+    iterator = arguments.get("valid_data_iterator")
+    if iterator is None or getattr(margs, "full_validation", False) or \
+            int(getattr(margs, "consumed_valid_samples", 0)) == valid_consumed:
+        return
+    if isinstance(iterator, list):
+        raise RuntimeError("moving several validation sets' iterators to a restored position "
+                           "is not supported yet: use one --valid-data-path")
+    arguments["valid_data_iterator"] = data_iterator_at(iterator, valid_consumed)
+    margs.consumed_valid_samples = valid_consumed
 
 
 def left_train(iteration: int, arguments: dict[str, Any]) -> None:
@@ -302,8 +338,10 @@ class MegatronLoop(NotWalked):
 
     def __init__(self, hooks: Sequence[TrainingHooks], state: LoopState, config: Any,
                  work: dict[int, Any] | None = None,
-                 accumulated: Accumulated | None = None) -> None:
+                 accumulated: Accumulated | None = None,
+                 args: argparse.Namespace | None = None) -> None:
         self.hooks = HookChain(list(hooks))
+        self._args = args  # Megatron's, for the evaluation that follows an iteration
         self.state = state
         self.work = work or {}
         self.accumulated = accumulated if accumulated is not None else Accumulated()
@@ -326,7 +364,7 @@ class MegatronLoop(NotWalked):
         session = getattr(args, "deadpool_session", None)
         if session is not None:  # hot-swap: the worker's state, this generation's hooks
             loop = cls([*session.hooks(), *extra_hooks], session.member.state, config,
-                       session.work, session.accumulated)
+                       session.work, session.accumulated, args)
             loop.hooks.on_train_start(loop.state)
             return loop
         hooks = getattr(args, "deadpool_hooks", None)
@@ -338,8 +376,9 @@ class MegatronLoop(NotWalked):
             args.deadpool_hooks = hooks
         state = LoopState(iteration=iteration,
                           consumed_samples=int(getattr(args, "consumed_train_samples", 0)),
+                          valid_consumed=int(getattr(args, "consumed_valid_samples", 0) or 0),
                           objects=TrainingObjects(model, optimizer, scheduler, config))
-        loop = cls(hooks, state, config)
+        loop = cls(hooks, state, config, args=args)
         loop.hooks.on_train_start(state)
         return loop
 
@@ -458,6 +497,12 @@ class MegatronLoop(NotWalked):
 
     def after_iteration(self, iteration: int, consumed_samples: int) -> None:
         self.state.iteration, self.state.consumed_samples = iteration, consumed_samples
+        args = self._args
+        if args is not None:
+            # The snapshot of this iteration counts the evaluation that follows it: train()
+            # is entered again after it, never before.
+            self.state.valid_consumed = int(getattr(args, "consumed_valid_samples", 0) or 0) \
+                + evaluated(args, iteration)
         self.hooks.after_iteration(self.state)
 
     def end(self) -> None:

@@ -258,14 +258,15 @@ class MegatronSession(NotWalked):
         """Report the objects built and park; then train generation after generation."""
         from megatron.training import get_args
 
-        from deadpool_megatron.integration.megatron_lm import (enter_train, left_train,
-                                                               megatron_objects,
-                                                               train_iterator_at)
+        from deadpool_megatron.integration.megatron_lm import (data_iterator_at, enter_train,
+                                                               left_train, megatron_objects,
+                                                               validation_at)
 
         margs = get_args()
         state = LoopState(iteration=int(margs.iteration),
                           consumed_samples=int(margs.consumed_train_samples),
-                          objects=megatron_objects(call.arguments))
+                          objects=megatron_objects(call.arguments),
+                          valid_consumed=int(getattr(margs, "consumed_valid_samples", 0)))
         self.startup.close()
         work = self.thread.built(state)
 
@@ -277,8 +278,9 @@ class MegatronSession(NotWalked):
             first = work.get(state.iteration + 1)
             if first is not None and not (first.keep_grads and first.microbatches == ()):
                 # This rank recomputes: its iterator goes back to the restored position.
-                call.arguments["train_data_iterator"] = train_iterator_at(
+                call.arguments["train_data_iterator"] = data_iterator_at(
                     call.arguments["train_data_iterator"], state.consumed_samples)
+            validation_at(call.arguments, state.valid_consumed)
             left_train(state.iteration, call.arguments)
             return enter_train(train, call)
 

@@ -490,6 +490,7 @@ def _apply(member: Member, plan: RecoveryPlan) -> None:
             raise RuntimeError(f"rank {rank} has no complete snapshot {t} to restore")
         objects = restore_shard(state.objects, slot, member.cfg.use_distributed_optimizer)
         state.iteration, state.consumed_samples = objects["iteration"], objects["consumed_samples"]
+        state.valid_consumed = int(objects.get("valid_consumed", 0))
         state.microbatch_losses.clear()
     elif plan.rewinds_rng(rank):
         slot = engine.own.find(t)

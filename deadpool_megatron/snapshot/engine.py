@@ -363,7 +363,7 @@ class SnapshotEngine(TrainingHooks):
                 f"updated in place, since the snapshot layout was built: a snapshot would "
                 f"hold stale copies. Update them in place (copy_) or run without --deadpool")
         objects = capture_objects(self.manifest, state.objects, state.iteration,
-                                  state.consumed_samples)
+                                  state.consumed_samples, state.valid_consumed)
         self.captured = {state.iteration: objects,
                          **{k: v for k, v in self.captured.items() if k > state.iteration - 2}}
         job = _Job(iteration=state.iteration, objects=objects)

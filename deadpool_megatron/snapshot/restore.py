@@ -23,13 +23,14 @@ class SnapshotMismatch(RuntimeError):
 
 
 def capture_objects(manifest: Manifest, objs: TrainingObjects, iteration: int,
-                    consumed_samples: int) -> bytes:
+                    consumed_samples: int, valid_consumed: int = 0) -> bytes:
     """The small state at an iteration boundary, pickled (RNG tensors are copies)."""
     rng = get_rng_state()
     rng["tracker"] = {k: v.clone() for k, v in rng["tracker"].items()}
     return pack_objects({
         "iteration": iteration,
         "consumed_samples": consumed_samples,
+        "valid_consumed": valid_consumed,
         "scheduler": objs.scheduler.state_dict(),
         "rng": rng,
         "layout": layout_signature(manifest),
