@@ -38,6 +38,8 @@ from deadpool_megatron.config import ConfigError, TrainConfig, add_arguments, fr
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import HookChain, LoopState, TrainingHooks
 from deadpool_megatron.integration import ddp_overlap
+from deadpool_megatron.integration.megatron_data import (data_iterator_at, evaluated,
+                                                         validation_at)
 from deadpool_megatron.reconstruct.rebind import NotWalked
 
 
@@ -217,66 +219,6 @@ def megatron_objects(arguments: dict[str, Any]) -> Any:
     return TrainingObjects(arguments["model"], arguments["optimizer"],
                            arguments["opt_param_scheduler"], arguments["config"],
                            held=[held])
-
-
-def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
-    """Megatron's data iterator (training or validation) moved to `consumed_samples`, in
-    place: the same object reads a loader built locally over the same dataset, so every
-    holder of it (pretrain() keeps the validation iterator for its final evaluation) reads
-    from there on. The random streams are left as they were (making a DataLoader's iterator
-    draws its workers' base seed from torch's default generator, which on CPU dropout reads
-    too)."""
-    import torch
-    from megatron.training import get_args
-    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
-
-    if iterator is None:  # a rank that reads no data (Megatron gives it no iterator)
-        return None
-    if isinstance(iterator, list):
-        raise RuntimeError("moving a virtual pipeline's data iterators (one per stage) is "
-                           "not supported yet: drop --num-layers-per-virtual-pipeline-stage")
-    dataset = getattr(getattr(iterator, "iterable", None), "_dataset", None)
-    if dataset is None or get_args().dataloader_type != "single":
-        raise RuntimeError("only Megatron's 'single' data loader can be moved to a restored "
-                           "position: drop --dataloader-type "
-                           f"{get_args().dataloader_type}")
-    loader = build_pretraining_data_loader(dataset, consumed_samples)
-    with torch.random.fork_rng(devices=[]):
-        iterator.iterable = iter(loader)
-    # Nothing of the old position replays (RerunDataIterator's own record of it).
-    iterator.saved_microbatches, iterator.replaying, iterator.replay_pos = [], False, 0
-    return iterator
-
-
-def evaluated(args: argparse.Namespace, iteration: int) -> int:
-    """The validation samples train() consumes evaluating after `iteration` (0: no
-    evaluation then), by train()'s own condition and evaluate()'s batch."""
-    interval = getattr(args, "eval_interval", None)
-    start = getattr(args, "start_eval_at_iter", None)
-    if not interval or iteration % interval or not getattr(args, "do_valid", False) or \
-            (start is not None and iteration < start):
-        return 0
-    return int(args.eval_iters) * int(getattr(args, "eval_global_batch_size", None)
-                                      or args.global_batch_size)
-
-
-def validation_at(arguments: dict[str, Any], valid_consumed: int) -> None:
-    """The validation iterator where the evaluations up to the restored iteration left it
-    (a spare's starts at 0; a survivor's is where its last evaluation left it), so the next
-    evaluation reads what a failure-free run reads. Megatron's --full-validation reads the
-    whole set each time: nothing to move."""
-    from megatron.training import get_args
-
-    margs = get_args()
-    iterator = arguments.get("valid_data_iterator")
-    if iterator is None or getattr(margs, "full_validation", False) or \
-            int(getattr(margs, "consumed_valid_samples", 0)) == valid_consumed:
-        return
-    if isinstance(iterator, list):
-        raise RuntimeError("moving several validation sets' iterators to a restored position "
-                           "is not supported yet: use one --valid-data-path")
-    arguments["valid_data_iterator"] = data_iterator_at(iterator, valid_consumed)
-    margs.consumed_valid_samples = valid_consumed
 
 
 def left_train(iteration: int, arguments: dict[str, Any]) -> None:

@@ -258,9 +258,9 @@ class MegatronSession(NotWalked):
         """Report the objects built and park; then train generation after generation."""
         from megatron.training import get_args
 
-        from deadpool_megatron.integration.megatron_lm import (data_iterator_at, enter_train,
-                                                               left_train, megatron_objects,
-                                                               validation_at)
+        from deadpool_megatron.integration.megatron_data import data_iterator_at, validation_at
+        from deadpool_megatron.integration.megatron_lm import (enter_train, left_train,
+                                                               megatron_objects)
 
         margs = get_args()
         state = LoopState(iteration=int(margs.iteration),
