@@ -29,31 +29,26 @@ def _overlaps(chunk: Any, flag: str) -> bool:
 
 def watch_bucket_reductions(model: Sequence[Any], begins: Callable[[bool], None]) -> None:
     """Call `begins(accumulated)` before any bucket of an overlapped reduction starts:
-    `accumulated` is False for a bucket found ready by the backward pass, which may still
-    be filling others (DDP's gradient hook, `register_grad_ready`), True otherwise (the
-    schedule's grad_sync_func after the last backward, finalize_model_grads). Wrapped per
-    entry of train(); a wrapper left by a train() that was left wraps nothing twice."""
-    in_hook = [False]
+    `accumulated` is False for a bucket started from inside the backward pass (DDP's
+    gradient hook found it ready while the pass may still fill others), True otherwise
+    (the schedule's grad_sync_func after the last backward, finalize_model_grads). Asking
+    autograd whether a backward pass runs costs nothing per parameter: only the start of a
+    bucket is wrapped. Wrapped per entry of train(); a wrapper left by a train() that was
+    left wraps nothing twice."""
+    import torch
+
     for chunk in model:
         if not _overlaps(chunk, "overlap_grad_reduce"):
             continue
         for group in bucket_groups(chunk):
-            start, ready = _original(group.start_grad_sync), _original(group.register_grad_ready)
+            start = _original(group.start_grad_sync)
 
-            def watched_start(*args: Any, _start: Callable = start, **kwargs: Any) -> Any:
-                begins(not in_hook[0])
+            def watched(*args: Any, _start: Callable = start, **kwargs: Any) -> Any:
+                begins(torch._C._current_graph_task_id() == -1)  # -1: no backward running
                 return _start(*args, **kwargs)
 
-            def watched_ready(*args: Any, _ready: Callable = ready, **kwargs: Any) -> Any:
-                in_hook[0] = True
-                try:
-                    return _ready(*args, **kwargs)
-                finally:
-                    in_hook[0] = False
-
-            watched_start.deadpool_original = start  # type: ignore[attr-defined]
-            watched_ready.deadpool_original = ready  # type: ignore[attr-defined]
-            group.start_grad_sync, group.register_grad_ready = watched_start, watched_ready
+            watched.deadpool_original = start  # type: ignore[attr-defined]
+            group.start_grad_sync = watched
 
 
 def _original(method: Callable) -> Callable:
@@ -63,9 +58,8 @@ def _original(method: Callable) -> Callable:
 def unwatch_bucket_reductions(model: Sequence[Any]) -> None:
     for chunk in model:
         for group in bucket_groups(chunk):
-            for name in ("start_grad_sync", "register_grad_ready"):
-                if hasattr(getattr(group, name), "deadpool_original"):
-                    delattr(group, name)  # the class's method again
+            if hasattr(group.start_grad_sync, "deadpool_original"):
+                del group.start_grad_sync  # the class's method again
 
 
 def start_grad_syncs(model: Sequence[Any]) -> None:
