@@ -111,14 +111,25 @@ def test_whole_host_of_two(tmp_path: Path, failure_free: str) -> None:
 
 
 @pytest.mark.fault_matrix
-def test_failure_during_recovery(tmp_path: Path, failure_free: str) -> None:
+def test_failures_during_recovery(tmp_path: Path, failure_free: str) -> None:
     """Rank 7 dies while the job recovers from rank 2's death: generation 2 replaces it and
-    still gives rank 2's spare, which never finished restoring, its shard."""
-    run, _ = _launch(tmp_path, "during", ["kill rank=2 iter=4 phase=backward",
-                                          "kill rank=7 iter=1 phase=recovery"])
+    still gives rank 2's spare, which never finished restoring, its shard. Then rank 1
+    stops (SIGSTOP) while recovering into generation 2, its groups made: the others wait
+    for it in the restore's collectives, stamping no progress either, and only it is hung
+    (CI once declared such waiting survivors hung with it: the monitor watched their parked
+    training threads, not their main threads, which recover)."""
+    run, events = _launch(tmp_path, "during", ["kill rank=2 iter=4 phase=backward",
+                                               "kill rank=7 iter=1 phase=recovery",
+                                               "hang rank=1 iter=2 phase=recovery"],
+                          spares=3, extra=["--deadpool-progress-timeout", "3"])
     assert run.ok, run.describe()
     assert run.fingerprint == failure_free
     assert "generation 2: ranks [7] failed" in run.output
+    assert "generation 3: ranks [1] failed" in run.output
+    detected = [(e["rank"], e["how"], e["reason"]) for e in _events(events)
+                if e["event"] == "failure_detected"]
+    assert detected == [(2, "exit", ""), (7, "exit", ""), (1, "hang", "stopped by a signal")], \
+        detected
 
 
 @pytest.mark.fault_matrix

@@ -38,7 +38,7 @@ FIELDS = ("counter", "iteration", "phase", "stamp_ns", "long_until_ns", "monitor
 SIZE = 8 * len(FIELDS)
 PHASES = ("start", "forward", "microbatch", "backward", "reduction", "step", "iteration",
           "recovery", "done")
-# Where the monitor last saw the training thread.
+# Where the monitor last saw the training thread (or the thread recovering: `watching`).
 NOWHERE, RUNNING, IN_COLLECTIVE = 0, 1, 2
 COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
@@ -157,6 +157,18 @@ class ProgressBoard:
             # stall as long as the operation, and a healthy rank declared hung).
             self._set(stamp_ns=now_ns())
             self._set(long_until_ns=0)
+
+    @contextlib.contextmanager
+    def watching(self, thread_id: int) -> Iterator[None]:
+        """The monitor looks at `thread_id` while inside: a recovery runs on the main thread
+        while the training thread is parked, and the parked thread's wait is no collective
+        (a survivor waiting in the rendezvous for a stopped rank was declared hung, 'blocked
+        outside any collective', with the stopped one)."""
+        previous, self.training_thread = self.training_thread, thread_id
+        try:
+            yield
+        finally:
+            self.training_thread = previous
 
     def hooks(self) -> TrainingHooks:
         return _Stamps(self)

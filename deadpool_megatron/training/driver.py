@@ -17,6 +17,7 @@ is recovered from; a failure during a recovery starts the recovery again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -209,7 +210,8 @@ class _Driver:
                         member.generation,
                         str(err).splitlines()[0][:160] if str(err) else type(err).__name__)
             try:
-                return recover(member, self._stoppable(), self._build_together)
+                with self._watched():
+                    return recover(member, self._stoppable(), self._build_together)
             except JobFlushed as flushed:
                 log.warning("%s", flushed)
                 exit_now(0)
@@ -223,6 +225,12 @@ class _Driver:
                 if not isinstance(again, Exception) or not caused_by_a_peer(again):
                     exit_now(leave_job(member, again, traceback.format_exc()))
                 err = without_frames(again)
+
+    def _watched(self) -> ContextManager[None]:
+        """The progress monitor watches this (the main) thread while it recovers."""
+        board = self.member.progress
+        return board.watching(threading.get_ident()) if board is not None \
+            else contextlib.nullcontext()
 
     def _stoppable(self) -> TrainingThread | None:
         thread = self.thread

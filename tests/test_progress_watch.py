@@ -1,0 +1,69 @@
+"""Which thread the progress monitor watches: the training thread while it trains, the main
+thread while it recovers. A survivor's training thread is parked during a recovery, and a
+parked thread is 'elsewhere than a collective' (CI: survivors waiting in the rendezvous
+for a stopped rank were declared hung with it, and a spare replaced each healthy one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from deadpool_megatron.control import progress
+from deadpool_megatron.control.auth import SignedStore, new_token
+from deadpool_megatron.control.progress import IN_COLLECTIVE, RUNNING, ProgressBoard
+
+WAIT_S = 10.0
+
+
+def _where_seen(path: str, board: ProgressBoard) -> int:
+    """What the monitor writes after its next look (bounded wait)."""
+    before = progress.read(path).monitor_ns
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        rec = progress.read(path)
+        if rec.monitor_ns > before:
+            return rec.where
+        time.sleep(0.005)
+    raise AssertionError(f"the monitor did not look within {WAIT_S} s")
+
+
+def test_a_recovery_waiting_in_the_control_plane_is_watched_as_waiting_for_peers(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "w0")
+    board = ProgressBoard(path, timeout_s=3.0)
+    release = threading.Event()
+    parked = threading.Thread(target=release.wait, args=(WAIT_S,), daemon=True)
+    store = SignedStore(dist.HashStore(), new_token())
+    # The recovering thread, as in a rendezvous: a wait on a key no peer sets yet.
+    recovering = threading.Thread(
+        target=lambda: _swallow(lambda: store.wait(["ready"], timedelta(seconds=WAIT_S))),
+        daemon=True)
+    parked.start()
+    recovering.start()
+    board.start_monitor(period_s=0.01)
+    try:
+        board.training_thread = parked.ident
+        assert _where_seen(path, board) == RUNNING  # a parked thread is no victim
+        with board.watching(recovering.ident):
+            assert board.training_thread == recovering.ident
+            assert _where_seen(path, board) == IN_COLLECTIVE
+        assert board.training_thread == parked.ident
+        assert _where_seen(path, board) == RUNNING
+    finally:
+        board.stop_monitor()
+        release.set()
+        store.set("ready", "1")
+        parked.join(WAIT_S)
+        recovering.join(WAIT_S)
+    assert not parked.is_alive() and not recovering.is_alive()
+
+
+def _swallow(call) -> None:  # noqa: ANN001 - the wait may end by its timeout
+    try:
+        call()
+    except dist.DistStoreError:
+        pass
