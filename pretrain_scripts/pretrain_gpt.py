@@ -1,8 +1,11 @@
-"""GPT pretraining on Megatron-Core, launched with torchrun (or deadpool-launch).
+"""GPT pretraining with Megatron-LM's own pretrain() and train() loop, every Megatron-LM flag
+plus the --deadpool group; launched with torchrun, or with deadpool-launch for hot-swap:
 
-    torchrun --nproc-per-node 8 pretrain_scripts/pretrain_gpt.py \
+    deadpool-launch --nproc-per-node 8 --spares 2 pretrain_scripts/pretrain_gpt.py \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
-        --use-distributed-optimizer --mock-data --distributed-backend gloo ...
+        --use-distributed-optimizer --mock-data ... --deadpool
+
+On a machine without CUDA, Megatron's CPU switches and the gloo backend are defaults.
 """
 
 import os
@@ -10,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deadpool_megatron.training.main import main  # noqa: E402
+from deadpool_megatron.training.megatron_main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ import torch
 
 import megatron
 from deadpool_megatron.patching.cli import run
-from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
+from deadpool_megatron.testing.jobs import MEGATRON_GPT, JobResult, run_job, run_launched
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 from deadpool_megatron.metrics.timeline import load_events
 from recoveries import check_recoveries
@@ -71,11 +71,13 @@ def _events(path: Path, rank: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def plain(patched_tree: Path, tmp_path_factory) -> tuple[JobResult, Path]:
-    """The failure-free run, saving Megatron checkpoints at iterations 2 and 4."""
+    """The failure-free run, saving Megatron checkpoints at iterations 2 and 4: our
+    pretrain_scripts/pretrain_gpt.py (the wheel's megatron/ patched), given Megatron's CPU
+    switches; the patched user's tree's runs end with its fingerprint too."""
     out = tmp_path_factory.mktemp("plain")
     ckpt = out / "ckpt"
     run = run_job(8, [*MODEL, *CPU_FLAGS, "--save", str(ckpt), "--save-interval", "2"],
-                  out / "logs", timeout_s=400, script=patched_tree / "pretrain_gpt.py", env=ENV)
+                  out / "logs", timeout_s=400, script=MEGATRON_GPT, env=ENV)
     assert run.ok, run.describe()
     assert sorted(run.losses) == [1, 2, 3, 4] and run.fingerprint, run.describe()
     return run, ckpt
@@ -210,20 +212,20 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     assert job.fingerprint == run.fingerprint, job.describe()
 
 
-def _hot_swap(tmp_path: Path, patched_tree: Path, faults: list[str], spares: int,
-              extra: list[str] = (), env: dict[str, str] | None = None
-              ) -> tuple[JobResult, list[dict]]:
+def _hot_swap(tmp_path: Path, script: Path, faults: list[str], spares: int,
+              extra: list[str] = (), env: dict[str, str] | None = None,
+              cpu_flags: list[str] = CPU_FLAGS) -> tuple[JobResult, list[dict]]:
     """Megatron's pretrain() under deadpool-launch with --deadpool and `faults`, one after
     another, each taken by a warm spare; the events of every rank, in time order."""
     events = tmp_path / "events"
-    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events", str(events),
+    args = [*MODEL, *cpu_flags, "--deadpool", "--deadpool-events", str(events),
             "--deadpool-audit-groups", *extra]
     for fault in faults:
         args += ["--deadpool-inject", fault]
     job = run_launched(["--nproc-per-node", "8", "--spares", str(spares),
                         "--logical-nodes", "2"], args, tmp_path / "launch", timeout_s=700,
                        env={**ENV, "DEADPOOL_CONTROL_TIMEOUT_S": "90", **(env or {})},
-                       script=patched_tree / "pretrain_gpt.py")
+                       script=script)
     # Hot-swapped: no worker restarted, every rank's iterations printed once.
     assert "restarting all" not in job.output, job.describe()
     assert not (tmp_path / "launch" / "workers" / "epoch1").exists()
@@ -247,11 +249,14 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
     Each is taken by a spare built alone; survivors keep their objects (same parameter
     tensors, no dataset rebuilt) and only rebind their groups; the replica that lost
     nothing keeps its gradients; each rank recomputes exactly the micro-batches the plan
-    counted lost; the run ends with the failure-free fingerprint."""
+    counted lost; the run ends with the failure-free fingerprint. Run as users run it:
+    pretrain_scripts/pretrain_gpt.py, its CPU switches left to the script's defaults."""
     run, _ = plain
-    job, events = _hot_swap(tmp_path, patched_tree, [
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, [
         "kill rank=5 iter=1 phase=forward", "kill rank=2 iter=2 phase=backward",
-        "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4)
+        "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4,
+        cpu_flags=[])
+    assert "no CUDA: added the defaults --transformer-impl local" in job.output
     recovered = check_recoveries(job, events, run.fingerprint, count=4)
     assert _spares_took(events) == [(1, [5], ["5"]), (2, [2], ["2"]), (3, [6], ["6"]),
                                     (4, [1], ["1"])]
@@ -287,7 +292,7 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
     parallelism, MoE over two expert-parallel ranks and bf16 (FEATURES)."""
     run = plain_features
     job, events = _hot_swap(
-        tmp_path, patched_tree,
+        tmp_path, patched_tree / "pretrain_gpt.py",
         ["raise rank=2 iter=3 phase=forward", "hang rank=5 iter=4 phase=backward"], spares=3,
         extra=["--deadpool-progress-timeout", "5", *FEATURES],
         env={MEGATRON_FAULT: "raise rank=6 at=forward call=3"})
@@ -315,7 +320,7 @@ def test_overlapped_communication_and_recomputation_are_hot_swapped(
     parameters gathered; the run ends with the fingerprint of the failure-free run without
     the overlap or the recomputation (the same sums, in the same buckets)."""
     run, _ = plain
-    job, events = _hot_swap(tmp_path, patched_tree, [
+    job, events = _hot_swap(tmp_path, patched_tree / "pretrain_gpt.py", [
         "kill rank=5 iter=1 phase=forward", "kill rank=2 iter=2 phase=backward",
         "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4,
         extra=["--overlap-grad-reduce", "--overlap-param-gather", "--recompute-granularity",

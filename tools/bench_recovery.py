@@ -29,10 +29,13 @@ interval after the first checkpoint. Time lost is each way's training time (iter
 logged to the last iteration logged, so a relaunch's start-up counts) minus the
 failure-free one's. Then DeadPool's recovery at --ranks, as above (--repeats 1).
 
+The job runs pretrain_scripts/pretrain_gpt.py (Megatron-LM's own loop; `--loop reduced`: the
+tests' reduced loop, which --vs-checkpoint always runs).
+
     .venv/bin/python tools/bench_recovery.py --ranks 8 --megatron-lm-tree TREE
 
-measures the same job in Megatron-LM's own loop: TREE is a Megatron-LM checkout patched with
-deadpool-patch, whose own pretrain_gpt.py runs (on CPU with Megatron's CPU switches).
+measures the same job in a user's Megatron-LM checkout patched with deadpool-patch, whose own
+pretrain_gpt.py runs (on CPU with Megatron's CPU switches).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool_megatron.metrics import vs_checkpoint as vs  # noqa: E402
 from deadpool_megatron.metrics.timeline import Timeline, load_events, timelines  # noqa: E402
-from deadpool_megatron.testing.jobs import JobResult, run_launched  # noqa: E402
+from deadpool_megatron.testing.jobs import (MEGATRON_GPT, PRETRAIN_GPT, REPO,  # noqa: E402
+                                            JobResult, run_launched)
 from deadpool_megatron.faults.megatron_faults import ENV as MEGATRON_FAULT  # noqa: E402
 
 
@@ -72,10 +76,20 @@ MEGATRON_LM_ARGS = ["--transformer-impl", "local", "--no-gradient-accumulation-f
                     "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
 
 
+def script_of(ns: argparse.Namespace) -> Path:
+    """The training script measured: Megatron-LM's loop (ours, or a patched user's tree's)
+    or the reduced loop of the tests."""
+    if ns.megatron_lm_tree is not None:
+        return ns.megatron_lm_tree / "pretrain_gpt.py"
+    return MEGATRON_GPT if ns.loop == "megatron" else PRETRAIN_GPT
+
+
 def job_args(world: int, ns: argparse.Namespace, events: Path, ckpt: Path | None) -> list[str]:
     args = [*model_args(world, ns.iters), "--deadpool", "--deadpool-events", str(events)]
     if ns.megatron_lm_tree is not None:
         args += MEGATRON_LM_ARGS
+    elif ns.loop == "megatron":  # the script's CPU defaults do the rest
+        args += ["--lr", "1e-3", "--log-interval", "1"]
     else:
         args += ["--deadpool-replay", ns.replay]
     if ckpt is not None:
@@ -116,11 +130,9 @@ def run_one(world: int, ns: argparse.Namespace, tmp: Path, name: str,
         env[MEGATRON_FAULT] = how["megatron"]
     if "progress_timeout" in how:
         args += ["--deadpool-progress-timeout", how["progress_timeout"]]
-    script = {} if ns.megatron_lm_tree is None else \
-        {"script": ns.megatron_lm_tree / "pretrain_gpt.py"}
     job = run_launched(["--nproc-per-node", str(world), "--spares", "1", "--logical-nodes", "2"],
                        args, d, timeout_s=900, env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-                       **script)
+                       script=script_of(ns))
     if not job.ok:
         kept = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{name}-"))
         shutil.copytree(d, kept, dirs_exist_ok=True)  # the run's directory goes away with tmp
@@ -134,7 +146,10 @@ def run_one(world: int, ns: argparse.Namespace, tmp: Path, name: str,
     if fault:
         (t,) = timelines(ev)
         recovered = [e for e in ev if e["event"] == "recovered"]
+        survivors = [e for e in recovered if not e["from_buddy"] and e.get("rss_steady")]
         out.update(timeline=t, recomputed=sum(e["microbatches_recomputed"] for e in recovered),
+                   survivor_rss_ratio=max((e["rss_peak"] / e["rss_steady"] for e in survivors),
+                                          default=0.0),
                    whole_iteration=sum(e["whole_iteration_replay"] for e in recovered),
                    checkpoint_restart=sum(e["checkpoint_restart"] for e in recovered))
     return out
@@ -152,8 +167,8 @@ def launched(name: str, tmp: Path, launch: list[str], args: list[str],
              env: dict[str, str] | None = None) -> JobResult:
     shown = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
     print(f"{name}: $ {' '.join(shown)} deadpool-launch {shlex.join(launch)} "
-          f"pretrain_scripts/pretrain_gpt.py {shlex.join(args)}", flush=True)
-    job = run_launched(launch, args, tmp / name, timeout_s=600, env=env)
+          f"{PRETRAIN_GPT.relative_to(REPO)} {shlex.join(args)}", flush=True)
+    job = run_launched(launch, args, tmp / name, timeout_s=600, env=env, script=PRETRAIN_GPT)
     if not job.ok or job.fingerprint is None:
         kept = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{name}-"))
         shutil.copytree(tmp / name, kept, dirs_exist_ok=True)
@@ -246,16 +261,21 @@ def measure_world(world: int, ns: argparse.Namespace, tmp: Path) -> dict:
         rows.append({"lost_ms": 1e3 * lost, "iteration_ms": free["iteration_ms"],
                      "kill_to_done_ms": hit["timeline"].replayed_ms,
                      "timeline": hit["timeline"], "recomputed": hit["recomputed"],
+                     "survivor_rss_ratio": hit["survivor_rss_ratio"],
                      "whole_iteration": hit["whole_iteration"],
                      "checkpoint_restart": hit["checkpoint_restart"]})
         print(f"{world} ranks, pair {rep}: time lost {1e3 * lost:.0f} ms, kill to "
               f"done {hit['timeline'].replayed_ms:.0f} ms, iteration "
-              f"{free['iteration_ms']:.0f} ms; {hit['timeline'].describe()}", flush=True)
+              f"{free['iteration_ms']:.0f} ms, survivors' peak RSS / steady "
+              f"{hit['survivor_rss_ratio']:.3f}; {hit['timeline'].describe()}", flush=True)
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("lost_ms", "iteration_ms", "kill_to_done_ms")}
     return {
         **med, "max_lost_ms": max(r["lost_ms"] for r in rows),
         "max_kill_to_done_ms": max(r["kill_to_done_ms"] for r in rows),
+        "kill_to_done_iterations": med["kill_to_done_ms"] / med["iteration_ms"],
+        # A survivor's peak resident memory during its recovery over its steady one (max).
+        "survivor_rss_ratio": max(r["survivor_rss_ratio"] for r in rows),
         "lost_iterations": med["lost_ms"] / med["iteration_ms"],
         "phases_ms": {ph: statistics.median(getattr(r["timeline"], f"{ph}_ms")
                                             for r in rows) for ph in Timeline.PHASES},
@@ -266,12 +286,14 @@ def measure_world(world: int, ns: argparse.Namespace, tmp: Path) -> dict:
 
 def print_recovery(summary: dict[int, dict]) -> None:
     print("\nranks | time lost ms (median, max) | kill to done ms (median, max) | iteration ms "
-          "| lost in iterations | micro-batches recomputed / whole-iteration / ckpt-restart")
+          "| lost in iterations | kill to done in iterations | survivors' peak/steady RSS "
+          "| micro-batches recomputed / whole-iteration / ckpt-restart")
     for world, s in summary.items():
         mb = s["microbatches"]
         print(f"{world:5d} | {s['lost_ms']:6.0f} {s['max_lost_ms']:6.0f} | "
               f"{s['kill_to_done_ms']:6.0f} {s['max_kill_to_done_ms']:6.0f} | "
               f"{s['iteration_ms']:6.0f} | {s['lost_iterations']:5.2f} | "
+              f"{s['kill_to_done_iterations']:5.2f} | {s['survivor_rss_ratio']:.3f} | "
               f"{mb['recomputed']} / {mb['whole_iteration']} / {mb['checkpoint_restart']}")
     print("\nranks | " + " | ".join(f"{ph} ms" for ph in Timeline.PHASES))
     for world, s in summary.items():
@@ -298,6 +320,9 @@ def main() -> int:
                         "restart), then DeadPool's recovery at --ranks")
     p.add_argument("--mtbf", type=float, default=60.0,
                    help="--vs-checkpoint: the job's stated mean time between failures, s")
+    p.add_argument("--loop", default="megatron", choices=["megatron", "reduced"],
+                   help="megatron: pretrain_scripts/pretrain_gpt.py (Megatron-LM's loop); "
+                        "reduced: the tests' reduced loop (--vs-checkpoint always runs it)")
     p.add_argument("--megatron-lm-tree", type=Path, default=None,
                    help="a Megatron-LM checkout patched with deadpool-patch: measure its own "
                         "pretrain_gpt.py (Megatron's loop) instead of ours")
@@ -310,6 +335,11 @@ def main() -> int:
     if ns.megatron_lm_tree is not None and (ns.vs_checkpoint or ns.replay != "local"):
         p.error("--megatron-lm-tree measures hot-swap with local replay only: drop "
                 "--vs-checkpoint and --replay spread")
+    if ns.vs_checkpoint:
+        ns.loop = "reduced"  # its save-cost calibration reads the reduced loop's log lines
+    if ns.loop == "megatron" and ns.replay != "local":
+        p.error("--replay spread runs in the reduced loop only (Megatron-LM's refuses it): "
+                "add --loop reduced")
     summary: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as scratch:
         tmp = ns.keep or Path(scratch)

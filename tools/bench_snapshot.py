@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Failure-free cost of DeadPool snapshots: iteration time with --deadpool off and on,
-measured side by side in one run of this tool: each round runs every job once, in the order
+measured side by side in one run of this tool, in the reduced training loop (the test
+fixture deadpool_megatron/testing/reduced_pretrain_gpt.py: the snapshot engine and its hooks
+are the ones Megatron-LM's loop runs, with less of the loop around them): each round runs every job once, in the order
 off, on, ... and the next round in the reverse order, so that a drift of the machine's speed
 over the run favours neither.
 
@@ -126,7 +128,7 @@ def dry_run(ns: argparse.Namespace) -> int:
         cfg.validate(ns.nproc)
         ft.validate(ns.nproc)
         print(f"would run {ns.rounds} x snapshots {mode}: {ns.nproc} ranks of "
-              f"pretrain_scripts/pretrain_gpt.py {' '.join(args)}", flush=True)
+              f"deadpool_megatron/testing/reduced_pretrain_gpt.py {' '.join(args)}", flush=True)
     print(f"model parameters: {model_parameters(ns)} ({model_parameters(ns) / 1e9:.2f} B)")
     return 0
 

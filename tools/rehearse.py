@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The main job as a rehearsal a newcomer can watch: a TP2 x PP2 x DP2 GPT job on CPU under
-deadpool-launch with 2 warm spares, one rank killed mid-run; it must finish with the
+"""The main job as a rehearsal a newcomer can watch: a TP2 x PP2 x DP2 GPT job on CPU, in
+Megatron-LM's own training loop (pretrain_scripts/pretrain_gpt.py), under deadpool-launch with 2 warm spares, one rank killed mid-run; it must finish with the
 fingerprint of the same job run without failures (run first, for comparison).
 
     .venv/bin/python tools/rehearse.py [--kill 'kill rank=5 iter=6 phase=backward']
@@ -29,7 +29,8 @@ MODEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
          "--use-distributed-optimizer", "--distributed-backend", "gloo", "--mock-data",
          "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--train-iters", "12", "--lr", "1e-3", "--seed", "1234"]
+         "--global-batch-size", "8", "--train-iters", "12", "--lr", "1e-3", "--seed", "1234",
+         "--log-interval", "1"]
 
 
 def run(cmd: list[str]) -> str:
@@ -46,15 +47,14 @@ def run(cmd: list[str]) -> str:
     return "".join(lines)
 
 
-def check_flags(model: list[str], deadpool: list[str], nproc: int) -> None:
-    """The training script's own validation of both jobs' flags."""
-    from deadpool_megatron.config import TrainConfig, parse_configs
+def check_flags(deadpool: list[str], nproc: int) -> None:
+    """The --deadpool flags, as the training script validates them (Megatron's own flags are
+    Megatron's parser's, when the job starts)."""
+    from deadpool_megatron.config import parse_configs
     from deadpool_megatron.ft_config import DeadPoolConfig
 
-    for args in (model, model + deadpool):
-        cfg, ft = parse_configs([TrainConfig, DeadPoolConfig], args, prog="pretrain_gpt.py")
-        cfg.validate(nproc)
-        ft.validate(nproc)
+    (ft,) = parse_configs([DeadPoolConfig], deadpool, prog="pretrain_gpt.py")
+    ft.validate(nproc)
 
 
 def main() -> int:
@@ -79,7 +79,7 @@ def main() -> int:
                   "pretrain_scripts/pretrain_gpt.py", *model, *deadpool]
     if ns.dry_run:
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(ns.nproc // ns.logical_nodes))
-        check_flags(model, deadpool, ns.nproc)
+        check_flags(deadpool, ns.nproc)
         print(f"would run the failure-free job: {shlex.join(clean_cmd)}")
         print(f"would run the job with '{ns.kill}': {shlex.join(faulty_cmd)}")
         print("would compare the two state fingerprints")

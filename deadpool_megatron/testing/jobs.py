@@ -20,7 +20,10 @@ from typing import Callable, Sequence
 from deadpool_megatron.control.sockets import store_server
 
 REPO = Path(__file__).resolve().parents[2]
-PRETRAIN_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
+# The reduced loop (a test fixture): most jobs of the suite; Megatron-LM's loop is
+# MEGATRON_GPT (pretrain_scripts/pretrain_gpt.py, what users run).
+PRETRAIN_GPT = REPO / "deadpool_megatron" / "testing" / "reduced_pretrain_gpt.py"
+MEGATRON_GPT = REPO / "pretrain_scripts" / "pretrain_gpt.py"
 # The 3D-parallel job most tests use: 8 ranks, distributed optimizer, dropout on (so RNG
 # state matters), a few dozen iterations.
 GPT_3D_ARGS = [
