@@ -257,6 +257,10 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
         "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4,
         cpu_flags=[])
     assert "no CUDA: added the defaults --transformer-impl local" in job.output
+    # Each spare built the datasets while it waited, and pretrain() took them.
+    took = [log.name for log in (tmp_path / "launch" / "workers" / "epoch0").glob("s*.log")
+            if "spare: the datasets built ahead handed over" in log.read_text()]
+    assert len(took) == 4, (took, job.describe())
     recovered = check_recoveries(job, events, run.fingerprint, count=4)
     assert _spares_took(events) == [(1, [5], ["5"]), (2, [2], ["2"]), (3, [6], ["6"]),
                                     (4, [1], ["1"])]
