@@ -37,3 +37,23 @@ def test_a_chained_communication_error_is_a_peers() -> None:
             raise ValueError("snapshot pipeline failed") from inner
     except ValueError as outer:
         assert caused_by_a_peer(outer)
+
+
+def _ours() -> list[BaseException]:
+    from deadpool_megatron.control.client import JobShutdown
+    from deadpool_megatron.snapshot.engine import SnapshotAbandoned
+    from deadpool_megatron.snapshot.transport import TornTransfer
+    from deadpool_megatron.training.training_thread import GenerationBroken
+
+    return [GenerationBroken(""), TornTransfer("crc mismatch"), JobShutdown("finished"),
+            SnapshotAbandoned("")]
+
+
+def test_our_errors_say_a_peers_failure_by_their_class_whatever_their_message() -> None:
+    for err in _ours():
+        assert caused_by_a_peer(err), type(err).__name__
+    # The words alone are not ours to trust: a bug raising them is the rank's own.
+    assert not caused_by_a_peer(RuntimeError("this generation was abandoned"))
+    from deadpool_megatron.snapshot.engine import SnapshotError
+
+    assert not caused_by_a_peer(SnapshotError("timed out after 120 s waiting for the copy"))

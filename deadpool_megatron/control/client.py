@@ -28,6 +28,7 @@ import torch.distributed as dist
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, token_from_env
 from deadpool_megatron.control.declaration import Declaration, Membership
+from deadpool_megatron.control.failures import PeerFailure
 from deadpool_megatron.control.sockets import sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
@@ -39,7 +40,7 @@ class NotAMember(RuntimeError):
     """This worker is not (or no longer) a member of the generation it tried to join."""
 
 
-class JobShutdown(RuntimeError):
+class JobShutdown(PeerFailure):
     """The launcher ended the job (finished, or recovery impossible: the reason says)."""
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.control.failures import PeerFailure
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
@@ -79,6 +80,10 @@ def lower_thread_priority(nice: int) -> None:
 
 class SnapshotError(RuntimeError):
     """The snapshot pipeline cannot go on (timeout or a broken snapshot group)."""
+
+
+class SnapshotAbandoned(SnapshotError, PeerFailure):
+    """The snapshot's generation was abandoned (a peer failed) while the step waited."""
 
 
 def at_lower_priority(nice: int, fn: Callable[[], None], timeout_s: float, what: str) -> None:
@@ -613,7 +618,7 @@ class SnapshotEngine(TrainingHooks):
                                 f"{self.timeout.total_seconds():.0f} s waiting for {what} "
                                 f"(--deadpool-snapshot-timeout)")
         if pipe.abandoned:
-            raise SnapshotError(f"rank {self.rank}: snapshot generation abandoned while "
+            raise SnapshotAbandoned(f"rank {self.rank}: snapshot generation abandoned while "
                                 f"waiting for {what}")
         self.stats.main_wait_s += time.perf_counter() - t0
 

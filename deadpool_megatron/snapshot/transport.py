@@ -24,11 +24,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from deadpool_megatron.control.failures import PeerFailure
 from deadpool_megatron.control.policy import RecoveryImpossible
 from deadpool_megatron.snapshot.buffers import Slot, crc_update, table_bytes
 
 
-class TornTransfer(RuntimeError):
+class TornTransfer(PeerFailure):
     """The peer went away or the bytes did not verify; the copy is not usable."""
 
 

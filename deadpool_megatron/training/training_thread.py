@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, TypeVar
 
+from deadpool_megatron.control.failures import PeerFailure
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.replay.plan import MicrobatchWork
@@ -31,7 +32,7 @@ T = TypeVar("T")
 Work = dict[int, MicrobatchWork]
 
 
-class GenerationBroken(RuntimeError):
+class GenerationBroken(PeerFailure):
     """A newer generation was declared while this one was training."""
 
 
