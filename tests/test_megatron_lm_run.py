@@ -19,6 +19,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -91,10 +92,33 @@ FEATURES = ["--sequence-parallel", "--num-experts", "4", "--expert-model-paralle
 
 
 @pytest.fixture(scope="module")
-def plain_features(patched_tree: Path, tmp_path_factory) -> JobResult:
+def corpus(tmp_path_factory) -> list[str]:
+    """A real Megatron indexed dataset (.bin/.idx) made here, as the flags that replace
+    --mock-data: 300 pre-tokenized documents of 20 to 80 random token ids, read through the
+    NullTokenizer (Megatron's tokenizer for pre-tokenized data), 90/10 train/valid."""
+    from deadpool_megatron.rehearsal import prepare_megatron_import
+
+    prepare_megatron_import(True)  # megatron.core's package imports on a machine without CUDA
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path_factory.mktemp("corpus") / "corpus_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        length = int(rng.integers(20, 80))
+        builder.add_document(rng.integers(0, 500, length, dtype=np.int32), [length])
+    builder.finalize(f"{prefix}.idx")
+    return ["--data-path", str(prefix), "--split", "90,10,0"]
+
+
+REAL_DATA_MODEL = [a for a in MODEL if a != "--mock-data"]
+
+
+@pytest.fixture(scope="module")
+def plain_features(patched_tree: Path, corpus: list[str], tmp_path_factory) -> JobResult:
     out = tmp_path_factory.mktemp("plain_features")
-    run = run_job(8, [*MODEL, *CPU_FLAGS, *FEATURES], out / "logs", timeout_s=400,
-                  script=patched_tree / "pretrain_gpt.py", env=ENV)
+    run = run_job(8, [*REAL_DATA_MODEL, *corpus, *CPU_FLAGS, *FEATURES], out / "logs",
+                  timeout_s=400, script=patched_tree / "pretrain_gpt.py", env=ENV)
     assert run.ok and run.fingerprint, run.describe()
     return run
 
@@ -151,7 +175,7 @@ def test_megatrons_train_entered_again_after_a_restore_from_the_buddy_is_bit_ide
                   tmp_path / "rewind", timeout_s=400, script=patched_tree / "pretrain_gpt.py",
                   env=ENV)
     assert job.ok, job.describe()
-    assert ("restore rehearsal: snapshot 1 from the buddy, iteration 2 again: Megatron's "
+    assert ("restore check: snapshot 1 from the buddy, iteration 2 again: Megatron's "
             "train() entered again at iteration 1 (8 samples consumed)") in job.output, \
         job.describe()
     # The first train() was left at iteration 2's boundary, before Megatron logs it.
@@ -214,11 +238,12 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
 
 def _hot_swap(tmp_path: Path, script: Path, faults: list[str], spares: int,
               extra: list[str] = (), env: dict[str, str] | None = None,
-              cpu_flags: list[str] = CPU_FLAGS) -> tuple[JobResult, list[dict]]:
+              cpu_flags: list[str] = CPU_FLAGS, model: list[str] = MODEL
+              ) -> tuple[JobResult, list[dict]]:
     """Megatron's pretrain() under deadpool-launch with --deadpool and `faults`, one after
     another, each taken by a warm spare; the events of every rank, in time order."""
     events = tmp_path / "events"
-    args = [*MODEL, *cpu_flags, "--deadpool", "--deadpool-events", str(events),
+    args = [*model, *cpu_flags, "--deadpool", "--deadpool-events", str(events),
             "--deadpool-audit-groups", *extra]
     for fault in faults:
         args += ["--deadpool-inject", fault]
@@ -286,20 +311,24 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
 
 @pytest.mark.fault_matrix
 def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
-        patched_tree: Path, plain_features: JobResult, tmp_path: Path) -> None:
+        patched_tree: Path, plain_features: JobResult, corpus: list[str],
+        tmp_path: Path) -> None:
     """Failures as they come: a CUDA error raised by Megatron-Core's TransformerLayer.forward
     in rank 6 (not our injector: faults/megatron_faults.py, its 3rd call: iteration 2's
     first micro-batch), an exception of rank 2's own in iteration 3, and rank 5 stopped
     (SIGSTOP) in iteration 4's backward, found by its stalled progress and killed by its
     launcher. A rank's own error leaves at once with its traceback; every one is taken by a
     spare and the run ends with the failure-free fingerprint. The job runs with sequence
-    parallelism, MoE over two expert-parallel ranks and bf16 (FEATURES)."""
+    parallelism, MoE over two expert-parallel ranks and bf16 (FEATURES), reading a real
+    indexed dataset (`corpus`): each spare rebuilds the datasets from the files, and the
+    training and validation positions move on as in the failure-free run."""
     run = plain_features
     job, events = _hot_swap(
         tmp_path, patched_tree / "pretrain_gpt.py",
         ["raise rank=2 iter=3 phase=forward", "hang rank=5 iter=4 phase=backward"], spares=3,
         extra=["--deadpool-progress-timeout", "5", *FEATURES],
-        env={MEGATRON_FAULT: "raise rank=6 at=forward call=3"})
+        env={MEGATRON_FAULT: "raise rank=6 at=forward call=3"},
+        model=[*REAL_DATA_MODEL, *corpus])
     check_recoveries(job, events, run.fingerprint, count=3)
     assert _spares_took(events) == [(1, [6], ["6"]), (2, [2], ["2"]), (3, [5], ["5"])]
     detected = [(e["rank"], e["how"]) for e in events if e["event"] == "failure_detected"]

@@ -78,10 +78,10 @@ def test_rank_and_its_source_lost_together_fall_back_cleanly(tmp_path: Path,
 
 
 @pytest.mark.fault_matrix
-def test_restore_rehearsal_with_plain_optimizer_and_replicated_bytes_at_home(
+def test_restore_check_with_plain_optimizer_and_replicated_bytes_at_home(
         tmp_path: Path) -> None:
     """Plain optimizer, one rank per node: every optimizer byte is replicated too, so the
-    buddies hold little more than RNG, data position and CRC tables. The restore rehearsal
+    buddies hold little more than RNG, data position and CRC tables. The restore check
     at iteration 5 rebuilds every rank from its buddy's partial copy completed from the
     rank's own slot (checked against the table); a corrupted transfer at iteration 3 is
     still never committed; the run ends bit-identical to one without DeadPool."""
@@ -97,7 +97,7 @@ def test_restore_rehearsal_with_plain_optimizer_and_replicated_bytes_at_home(
                       "--deadpool-inject", "corrupt rank=2 iter=3 phase=snapshot",
                       "--deadpool-events", str(events)], tmp_path / "deadpool", timeout_s=300)
     assert run.ok, run.describe()
-    assert "restore rehearsal: every rank now runs on a fresh model" in run.output
+    assert "restore check: every rank now runs on a fresh model" in run.output
     assert run.fingerprint == base.fingerprint
     ev = load_events(events)
     setup = [e for e in ev if e["event"] == "snapshot_setup"]

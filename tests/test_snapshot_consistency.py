@@ -42,7 +42,7 @@ def test_buddy_copy_restores_exact_state(tmp_path: Path, dist_opt: bool,
                       "--deadpool-inject", "corrupt rank=2 iter=3 phase=snapshot",
                       "--deadpool-events", str(events)], tmp_path / "deadpool", timeout_s=300)
     assert run.ok, run.describe()
-    assert "restore rehearsal: every rank now runs on a fresh model" in run.output
+    assert "restore check: every rank now runs on a fresh model" in run.output
     assert run.fingerprint == base.fingerprint
     assert run.losses == base.losses
     for rank in range(8):

@@ -100,19 +100,19 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
     backend = getattr(args, "distributed_backend", "nccl")
     cfg = train_config(args)
     # Megatron set the device from LOCAL_RANK already; the snapshot threads take the same.
-    # Our loop's restore rehearsal builds a fresh model with our builder; here the rehearsal
-    # restores the live objects and re-enters Megatron's train() (RewindRehearsal).
+    # Our loop's restore check builds a fresh model with our builder; here the check
+    # restores the live objects and re-enters Megatron's train() (RewindCheck).
     hooks = deadpool_hooks(cfg, dataclasses.replace(ft, deadpool_verify_restore_at=None),
                            world, cpu_rehearsal=backend == "gloo",
                            device=ProcessDevice.choose(backend))
     if ft.deadpool_verify_restore_at is not None:
         engine = next(h for h in hooks if isinstance(h, SnapshotEngine))
-        hooks.append(RewindRehearsal(engine, ft.deadpool_verify_restore_at,
+        hooks.append(RewindCheck(engine, ft.deadpool_verify_restore_at,
                                      cfg.use_distributed_optimizer))
     return hooks
 
 
-class RewindRehearsal(TrainingHooks):
+class RewindCheck(TrainingHooks):
     """`--deadpool-verify-restore-at K` in Megatron's loop: after iteration K every rank
     receives from its buddy the copy of the snapshot before K, restores its live objects
     from it, and Megatron's train() is entered again there (`run_train`), so iteration K is
@@ -138,7 +138,7 @@ class RewindRehearsal(TrainingHooks):
             self.engine.commit_recovered(restored["iteration"])
             return restored
 
-        raise ReenterTrain(restore, f"restore rehearsal: snapshot {slot.iteration} from the "
+        raise ReenterTrain(restore, f"restore check: snapshot {slot.iteration} from the "
                                     f"buddy, iteration {self.at} again")
 
     def _fetch_previous_from_buddy(self, iteration: int) -> Any:

@@ -322,16 +322,16 @@ class MegatronSession(NotWalked):
 
     def hooks(self) -> list[TrainingHooks]:
         """This generation's hooks (training/driver.generation_hooks), and in generation 0
-        the restore rehearsal of --deadpool-verify-restore-at."""
+        the restore check of --deadpool-verify-restore-at."""
         from deadpool_megatron.training.driver import generation_hooks
 
         member = self.member
         hooks = generation_hooks(member, self.thread.stops, self.work)
         ft = member.ft
         if ft.deadpool_verify_restore_at is not None and member.generation == 0:
-            from deadpool_megatron.integration.megatron_lm import RewindRehearsal
+            from deadpool_megatron.integration.megatron_lm import RewindCheck
 
-            hooks.append(RewindRehearsal(member.engine, ft.deadpool_verify_restore_at,
+            hooks.append(RewindCheck(member.engine, ft.deadpool_verify_restore_at,
                                          member.cfg.use_distributed_optimizer))
         return hooks
 

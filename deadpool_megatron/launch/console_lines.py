@@ -21,7 +21,7 @@ ITERATION = re.compile(r"iteration +(\d+)/ *(\d+) \|.*?elapsed time per iteratio
 OWN = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank[^\]]*\] (.*)$")
 # Messages of our own code (as opposed to a library logging through the same handler):
 # shown at once, in order with the status lines; anything else is held and deduplicated.
-OURS = re.compile(r"^(rank \d+:|spare \S+ |recovery:|deadpool|restore rehearsal:|"
+OURS = re.compile(r"^(rank \d+:|spare \S+ |recovery:|deadpool|restore check:|"
                   r"injecting fault|training GPT:|loaded |saved checkpoint|no checkpoint|"
                   r"worker \S+:|control plane:|group audit|aborting the broken)")
 # Our own messages that only repeat what the launcher's events already say, or are routine.

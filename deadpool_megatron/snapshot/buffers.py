@@ -155,7 +155,7 @@ class DoubleBuffer:
         return DoubleBuffer.allocate(nbytes, self.pin, len(self.slots), prefault)
 
     def loose_slot(self) -> Slot:
-        """A slot outside the pair (a copy fetched for a rehearsal), pinned as these are."""
+        """A slot outside the pair (a copy fetched for a restore check), pinned as these are."""
         return Slot(host_tensor(self.slots[0].flat.numel(), self.pin))
 
     @property

@@ -83,7 +83,8 @@ class SnapshotError(RuntimeError):
 
 
 class SnapshotAbandoned(SnapshotError, PeerFailure):
-    """The snapshot's generation was abandoned (a peer failed) while the step waited."""
+    """This generation's snapshot pipeline was abandoned (a peer failed) while the step
+    waited."""
 
 
 def at_lower_priority(nice: int, fn: Callable[[], None], timeout_s: float, what: str) -> None:
@@ -228,7 +229,7 @@ class SnapshotEngine(TrainingHooks):
     @property
     def links(self) -> dict[int, Any]:
         """Peer rank -> the two-rank group to reach it (buddy and ward)."""
-        assert self.pipe is not None, "no snapshot generation is open"
+        assert self.pipe is not None, "no snapshot pipeline is open in this generation"
         return self.pipe.links
 
     def leave(self) -> _Pipeline | None:
@@ -453,7 +454,7 @@ class SnapshotEngine(TrainingHooks):
         return incoming
 
     def complete_locally(self, incoming: Slot) -> None:
-        """A rehearsal's partial copy from the buddy: its replicated region from this rank's
+        """A restore check's partial copy from the buddy: its replicated region from this rank's
         own slot of the same snapshot (the bytes its data-parallel peer holds too), each
         chunk checked against the table the buddy kept, as a recovery checks the peer's."""
         if not incoming.partial:
@@ -618,8 +619,8 @@ class SnapshotEngine(TrainingHooks):
                                 f"{self.timeout.total_seconds():.0f} s waiting for {what} "
                                 f"(--deadpool-snapshot-timeout)")
         if pipe.abandoned:
-            raise SnapshotAbandoned(f"rank {self.rank}: snapshot generation abandoned while "
-                                f"waiting for {what}")
+            raise SnapshotAbandoned(f"rank {self.rank}: this generation's snapshot pipeline "
+                                    f"was abandoned while waiting for {what}")
         self.stats.main_wait_s += time.perf_counter() - t0
 
     def _raise_if_failed(self) -> None:

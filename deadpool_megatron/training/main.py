@@ -179,7 +179,7 @@ def deadpool_hooks(cfg: TrainConfig, ft: DeadPoolConfig, world: int,
     from deadpool_megatron.integration.model import build_training_objects
     from deadpool_megatron.metrics.events import EventLog
     from deadpool_megatron.snapshot.engine import SnapshotEngine
-    from deadpool_megatron.snapshot.rehearsal import RestoreRehearsal
+    from deadpool_megatron.snapshot.verify_restore import RestoreCheck
     from deadpool_megatron.topology import ParallelSizes
 
     rank = torch.distributed.get_rank()
@@ -192,7 +192,7 @@ def deadpool_hooks(cfg: TrainConfig, ft: DeadPoolConfig, world: int,
     engine = SnapshotEngine(cfg, ft, injector, events, device)
     hooks: list = [engine, injector.hooks()]
     if ft.deadpool_verify_restore_at is not None:
-        hooks.append(RestoreRehearsal(
+        hooks.append(RestoreCheck(
             engine, ft.deadpool_verify_restore_at,
             lambda: build_training_objects(cfg, cpu_rehearsal), cfg.use_distributed_optimizer))
     return hooks

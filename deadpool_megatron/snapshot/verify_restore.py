@@ -22,7 +22,7 @@ from deadpool_megatron.hooks import LoopState, TrainingHooks
 log = logging.getLogger("deadpool_megatron.snapshot")
 
 
-class RestoreRehearsal(TrainingHooks):
+class RestoreCheck(TrainingHooks):
     def __init__(self, engine: SnapshotEngine, at_iteration: int,
                  build: Callable[[], TrainingObjects], distributed_optimizer: bool) -> None:
         self.engine = engine
@@ -45,6 +45,6 @@ class RestoreRehearsal(TrainingHooks):
         state.consumed_samples = objects["consumed_samples"]
         self.engine.attach(fresh)
         if torch.distributed.get_rank() == 0:
-            log.info("restore rehearsal: every rank now runs on a fresh model restored from "
+            log.info("restore check: every rank now runs on a fresh model restored from "
                      "its buddy's copy of snapshot %d (%.0f ms)", state.iteration,
                      1e3 * (time.perf_counter() - t0))
