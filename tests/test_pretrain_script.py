@@ -39,6 +39,12 @@ def test_on_a_gpu_only_what_megatron_would_fail_without() -> None:
                         cuda=True) == []
     assert defaults_for(["--eval-iters", "3"], cuda=True) == [
         "--eval-interval", "1000", "--vocab-size", "512"]
+    # Without TransformerEngine, Megatron's default layers and fused kernels cannot be built.
+    added = defaults_for(["--eval-interval", "10"], cuda=True, transformer_engine=False)
+    assert added[:2] == ["--transformer-impl", "local"] and "--no-rope-fusion" in added
+    assert "--distributed-backend" not in added and "--num-workers" not in added
+    assert "--transformer-impl" not in defaults_for(
+        ["--transformer-impl", "transformer_engine"], cuda=True, transformer_engine=False)
 
 
 def test_the_wheel_is_laid_out_as_a_patched_tree_once(tmp_path: Path) -> None:

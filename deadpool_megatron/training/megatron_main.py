@@ -4,7 +4,8 @@ a user's checkout, every Megatron-LM flag plus the --deadpool group.
 
 On a machine without CUDA, what Megatron's parser would otherwise demand of a CPU run is a
 default, said once: Megatron's own CPU switches (no TransformerEngine, apex or fused
-kernels), the gloo backend; on any machine, for the NullTokenizer (the default tokenizer) a
+kernels), the gloo backend; on a GPU without TransformerEngine, the layers and kernels that
+need neither it nor apex; on any machine, for the NullTokenizer (the default tokenizer) a
 vocabulary, and an evaluation interval (without one Megatron fails while it sizes the
 validation set; no validation unless --eval-iters asks for it).
 A command line that gives any of them keeps its own value.
@@ -12,25 +13,28 @@ A command line that gives any of them keeps its own value.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Sequence
 
-# (flag, value or None for a switch): given on a machine without CUDA unless the command
-# line gives the flag.
-CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
+# (flag, value or None for a switch), each given unless the command line gives the flag.
+# Without TransformerEngine (a CPU, or a GPU without the extra): the layers and kernels that
+# do not need it or apex.
+WITHOUT_TE_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--transformer-impl", "local"), ("--no-gradient-accumulation-fusion", None),
     ("--no-persist-layer-norm", None), ("--no-masked-softmax-fusion", None),
+    ("--no-rope-fusion", None))
+# On a machine without CUDA, also: no fused bias kernels, no rerun state machine, gloo, and
+# no data-loader worker processes (they would compete with the ranks for the same cores, two
+# per rank by default; a spare forking them took 0.15 s of its build; the batches are the
+# same either way).
+CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = WITHOUT_TE_DEFAULTS + (
     ("--no-bias-gelu-fusion", None), ("--no-bias-dropout-fusion", None),
-    ("--no-rope-fusion", None), ("--rerun-mode", "disabled"),
-    ("--distributed-backend", "gloo"),
-    # Data-loader worker processes would compete with the ranks for the same cores (two per
-    # rank by default); a spare forking them took 0.15 s of its build. The batches are the
-    # same either way.
-    ("--num-workers", "0"))
+    ("--rerun-mode", "disabled"), ("--distributed-backend", "gloo"), ("--num-workers", "0"))
 CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
-NULL_TOKENIZER_VOCAB = "512"
-EVAL_INTERVAL = "1000"  # Megatron-LM's example scripts' value  # the vocabulary of a --mock-data run without a tokenizer
+NULL_TOKENIZER_VOCAB = "512"  # the vocabulary of a --mock-data run without a tokenizer
+EVAL_INTERVAL = "1000"  # Megatron-LM's example scripts' value
 
 
 def _given(argv: Sequence[str], flag: str) -> bool:
@@ -46,13 +50,14 @@ def _value(argv: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def defaults_for(argv: Sequence[str], cuda: bool) -> list[str]:
+def defaults_for(argv: Sequence[str], cuda: bool,
+                 transformer_engine: bool = True) -> list[str]:
     """The flags to add to `argv` (pure, so tested without Megatron)."""
     added: list[str] = []
-    if not cuda:
-        for flag, value in CPU_DEFAULTS:
-            if not _given(argv, flag):
-                added += [flag] if value is None else [flag, value]
+    defaults = CPU_DEFAULTS if not cuda else () if transformer_engine else WITHOUT_TE_DEFAULTS
+    for flag, value in defaults:
+        if not _given(argv, flag):
+            added += [flag] if value is None else [flag, value]
     if not _given(argv, "--eval-interval"):  # Megatron divides by it (None: a TypeError)
         added += ["--eval-interval", EVAL_INTERVAL]
         if not _given(argv, "--eval-iters"):  # no validation unless asked for
@@ -70,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cuda = torch.cuda.is_available()
-    added = defaults_for(argv, cuda)
+    added = defaults_for(argv, cuda,
+                         importlib.util.find_spec("transformer_engine") is not None)
     said = added[:]
     if not cuda and CONNECTIONS not in os.environ:  # Megatron asks it of TP/CP runs
         os.environ[CONNECTIONS] = "1"
