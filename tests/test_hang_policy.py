@@ -36,3 +36,14 @@ def test_without_any_frozen_rank_the_furthest_behind_are_guessed() -> None:
              _view("w2", 1.0, where=RUNNING)]
     verdict = find_hung(views)
     assert verdict is not None and not verdict.certain and verdict.culprits == ("w0",)
+
+
+def test_no_guess_while_a_member_builds_but_a_certain_culprit_still_goes() -> None:
+    # Survivors waiting in a rendezvous for a spare that builds alone (a long operation,
+    # of which hosts send no view): they stall with no culprit, and none is guessed.
+    waiting = [_view("w0", 5.2, counter=90), _view("w1", 5.2, counter=95)]
+    assert find_hung(waiting, someone_building=True) is None
+    assert find_hung(waiting) is not None  # without the build: the furthest behind, a guess
+    stopped = [*waiting, _view("w5", 5.1, where=RUNNING, os_state="T")]
+    verdict = find_hung(stopped, someone_building=True)
+    assert verdict is not None and verdict.certain and verdict.culprits == ("w5",)

@@ -232,3 +232,27 @@ def test_a_process_without_the_token_changes_nothing(tmp_path: Path,
     for key in ("ep0/dp/exit/w3", "ep0/dp/exit/w2", "ep0/dp/host/0", "ep0/dp/gen1/declared",
                 "ep0/dp/shutdown"):
         assert f"ignored a write to {key} that does not carry the job token" in out, key
+
+
+def test_the_coordinator_guesses_no_hung_rank_while_a_member_builds(tmp_path: Path) -> None:
+    """Host reports as a recovery makes them: two ranks stalled in a wait for peers, and a
+    third inside a declared long operation (a spare building alone), of which the report
+    names the worker but sends no view. No rank is replaced while it builds; once it is
+    done building, the furthest behind is (a guess, said so)."""
+    store = dist.HashStore()
+    coordinator = _coordinator(store, tmp_path)
+    signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
+
+    def view(counter: int) -> dict:
+        return {"g": 0, "c": counter, "it": 3, "ph": "recovery", "st": 9.0, "mon": 0.1,
+                "wh": 2, "long": False, "to": 3.0, "itn": 0.3, "os": "S"}
+
+    stalled = {"w0": view(90), "w1": view(95)}
+    for seq, building in ((1, ["w2"]), (2, ["w2"]), (3, [])):
+        signed.set(keys.host_report(0), json.dumps({"seq": seq, "workers": stalled,
+                                                    "it": {}, "long": building}))
+        coordinator._next_scan = 0.0
+        coordinator.tick(time.monotonic())
+        if building:
+            assert not coordinator.failed and not coordinator.gone, seq
+    assert "w0" in coordinator.gone and "w1" not in coordinator.gone

@@ -12,6 +12,9 @@ stamps in the newest generation) surely include it, and the verdict says it is a
 No guess while a rank not yet stalled is stopped by the OS or runs no Python: its victims
 stamped last before it (a first pipeline stage waits for the backward of the last), so
 they cross the timeout first, and it crosses its own moments later, a certain culprit.
+No guess either while a rank is inside a declared long operation (a spare building the
+failed rank's objects alone, a durable save): the stalled ones may be waiting for it, as
+survivors wait in a rendezvous for the spare; its budget bounds the wait.
 """
 
 from __future__ import annotations
@@ -80,8 +83,9 @@ class Verdict:
     why: dict[str, str]
 
 
-def find_hung(views: list[WorkerView]) -> Verdict | None:
-    """None while no rank is stalled."""
+def find_hung(views: list[WorkerView], someone_building: bool = False) -> Verdict | None:
+    """None while no rank is stalled. `someone_building`: a member is inside a declared
+    long operation (hosts report no view of it)."""
     stalled = [v for v in views if v.stalled]
     if not stalled:
         return None
@@ -90,6 +94,8 @@ def find_hung(views: list[WorkerView]) -> Verdict | None:
     if not culprits and any(v.frozen and not v.long_operation and v.phase != "done"
                             for v in views):
         return None  # the culprit is about to stall too (see the module docstring)
+    if not culprits and someone_building:
+        return None  # they may wait for it (see the module docstring)
     if not culprits:
         waiting = [v for v in stalled if v.where in (IN_COLLECTIVE, NOWHERE)]
         newest = max(v.generation for v in waiting)

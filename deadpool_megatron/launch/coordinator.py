@@ -270,6 +270,7 @@ class Coordinator:
         if not hosts:
             return
         views = []
+        building = False  # a member inside a declared long operation (a build, a save)
         members = self._holders
         raws = self.store.read_many([keys.host_report(h) for h in hosts])
         for host, raw in zip(hosts, raws):
@@ -282,6 +283,9 @@ class Coordinator:
                 continue
             if report is None:
                 continue
+            long_ops = report.get("long", [])
+            building = building or (isinstance(long_ops, list) and any(
+                w in members and w not in self.gone for w in long_ops))
             for worker, v in report["workers"].items():
                 if worker in members and worker not in self.gone:
                     try:
@@ -300,7 +304,7 @@ class Coordinator:
         # A worker that reported itself done stamps no more: only the views the hang
         # analysis could act on (stalled, or unable to run) are checked for it.
         views = [v for v in views if not (v.stalled or v.frozen) or not self._done(v.worker)]
-        verdict = find_hung(views)
+        verdict = find_hung(views, someone_building=building)
         if verdict is None:
             return
         self.events.emit("hang_localized", culprits=list(verdict.culprits),

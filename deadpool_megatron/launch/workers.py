@@ -219,13 +219,16 @@ class LocalWorkers:
 
 def host_report(seq: int, views: dict[str, dict]) -> dict:
     """What a host publishes every REPORT_S: its sequence number (its heartbeat), each live
-    worker's generation and iteration ("it": deadpool-inject waits on them), and the whole
+    worker's generation and iteration ("it": deadpool-inject waits on them), the workers
+    inside a declared long operation ("long": while one builds, the stalled may wait for it),
+    and the whole
     view (`worker_view`) of the workers host 0's hang analysis could act on only: those
     stalled for half their timeout or more, or unable to run (control/hang.py). Host 0
     reads every host's report every 0.1 s: with every worker's view it parsed 16,384
     views per scan at 16,384 ranks (80 ms of CPU each time, bench_scale)."""
     return {"seq": seq, "workers": {w: v for w, v in views.items() if _suspect(v)},
-            "it": {w: [v["g"], v["it"]] for w, v in views.items()}}
+            "it": {w: [v["g"], v["it"]] for w, v in views.items()},
+            "long": sorted(w for w, v in views.items() if v["long"])}
 
 
 def _suspect(view: dict) -> bool:
