@@ -47,7 +47,14 @@ def test_on_a_gpu_only_what_megatron_would_fail_without() -> None:
         ["--transformer-impl", "transformer_engine"], cuda=True, transformer_engine=False)
 
 
-def test_the_wheel_is_laid_out_as_a_patched_tree_once(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One tree cache for the module's tests (laying the wheel out copies 21 MB)."""
+    return tmp_path_factory.mktemp("tree_cache")
+
+
+def test_the_wheel_is_laid_out_as_a_patched_tree_once(cache: Path) -> None:
+    tmp_path = cache
     tree = wheel_tree.patched_tree(tmp_path)
     _, release = release_of(tree)
     states = inspect(tree, load_patch(release.patch_file))
@@ -58,10 +65,10 @@ def test_the_wheel_is_laid_out_as_a_patched_tree_once(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [tree.name]
 
 
-def test_help_lists_megatrons_flags_and_the_deadpool_group(tmp_path: Path) -> None:
+def test_help_lists_megatrons_flags_and_the_deadpool_group(cache: Path) -> None:
     proc = subprocess.run([sys.executable, str(MEGATRON_GPT), "--help"], capture_output=True,
                           text=True, timeout=300, cwd=REPO,
-                          env={**_env(), wheel_tree.ENV: str(tmp_path)})
+                          env={**_env(), wheel_tree.ENV: str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     flags = {line.split()[0].rstrip(",") for line in proc.stdout.splitlines()
              if line.startswith("  --")}
