@@ -201,9 +201,9 @@ class MegatronLmLoop:
         import torch
         from megatron.training import training
 
-        provider = self._provider()
         t0 = time.perf_counter()
         try:
+            provider = self._provider()
             with torch.random.fork_rng(devices=[]):
                 samples = list(training.get_train_valid_test_num_samples())
                 self.prebuilt = _Prebuilt(provider, samples, provider(samples))
