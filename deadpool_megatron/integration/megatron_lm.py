@@ -108,7 +108,7 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
     if ft.deadpool_verify_restore_at is not None:
         engine = next(h for h in hooks if isinstance(h, SnapshotEngine))
         hooks.append(RewindCheck(engine, ft.deadpool_verify_restore_at,
-                                     cfg.use_distributed_optimizer))
+                                 cfg.use_distributed_optimizer))
     return hooks
 
 

@@ -332,7 +332,7 @@ class MegatronSession(NotWalked):
             from deadpool_megatron.integration.megatron_lm import RewindCheck
 
             hooks.append(RewindCheck(member.engine, ft.deadpool_verify_restore_at,
-                                         member.cfg.use_distributed_optimizer))
+                                     member.cfg.use_distributed_optimizer))
         return hooks
 
 
@@ -371,6 +371,7 @@ class _Prebuilt:
         self.original, self.samples, self.datasets = provider, samples, datasets
 
     def provider(self) -> Callable:
+        """The script's provider, wrapped."""
         import functools
 
         @functools.wraps(self.original)  # its signature (vp_stage) and is_distributed too
