@@ -129,7 +129,9 @@ class RewindCheck(TrainingHooks):
         if state.iteration != self.at or self.done:
             return
         self.done = True
-        slot = self._fetch_previous_from_buddy(state.iteration)
+        # Every rank at once sends its ward its copy of the snapshot before this iteration
+        # and receives its own from its buddy (the way a spare receives its shard).
+        slot = self.engine.fetch_own_from_buddy(before=state.iteration)
 
         def restore(objects: Any) -> dict[str, Any]:
             from deadpool_megatron.snapshot.restore import restore_shard
@@ -140,27 +142,6 @@ class RewindCheck(TrainingHooks):
 
         raise ReenterTrain(restore, f"restore check: snapshot {slot.iteration} from the "
                                     f"buddy, iteration {self.at} again")
-
-    def _fetch_previous_from_buddy(self, iteration: int) -> Any:
-        """Every rank at once: send the ward its copy of the snapshot before `iteration`,
-        receive ours from the buddy (the way a spare receives its shard)."""
-        from deadpool_megatron.snapshot.transport import exchange
-
-        engine = self.engine
-        engine.drain()
-        held = [i for i in engine.ward_buffer.available() if i < iteration]
-        if not held:
-            raise RuntimeError(f"rank {engine.rank}: no snapshot before iteration {iteration} "
-                               f"held for rank {engine.ward}")
-        outgoing = engine.ward_buffer.find(max(held))
-        incoming = engine.own.loose_slot()
-        exchange(engine.links, outgoing, engine.ward, incoming, engine.buddy,
-                 chunk_bytes=engine.chunk_bytes)
-        engine.complete_locally(incoming)
-        if not incoming.check() or incoming.iteration != max(held):
-            raise RuntimeError(f"rank {engine.rank}: the buddy's copy of snapshot {max(held)} "
-                               f"did not arrive whole")
-        return incoming
 
 
 def run_train(train: Callable, datasets_provider: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -52,7 +52,6 @@ from deadpool_megatron.replay.plan import (FRESH_START, SPARE_REPORT, Microbatch
                                            RankReport, RecoveryPlan, plan_recovery)
 from deadpool_megatron.snapshot.engine import SnapshotEngine
 from deadpool_megatron.snapshot.restore import restore_shard, rewind_rng
-from deadpool_megatron.snapshot.transport import exchange, fetch_region
 from deadpool_megatron.topology import ParallelSizes, buddy_of, coord_of, ward_of
 from deadpool_megatron.topology.replicas import replica_sources
 
@@ -395,7 +394,7 @@ def restore(member: Member, rebuild: Callable[[], None]) -> RecoveryPlan:
 def agree(member: Member, report: RankReport) -> tuple[RecoveryPlan, list[int]]:
     """Collective over the new generation: every rank's report in, the same plan out (and
     every rank's shard size, for the ward copies)."""
-    shard_bytes = member.engine.manifest.nbytes if member.engine.manifest else 0
+    shard_bytes = member.engine.shard_nbytes
     try:
         gathered = all_gather_plain([report.plain(), shard_bytes])
         reports = [RankReport.from_plain(g[0]) for g in gathered]
@@ -426,23 +425,11 @@ def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> 
     allow = member.ft.deadpool_allow_same_node_buddy
     buddy = buddy_of(rank, member.world, rpn, allow)
     ward = ward_of(rank, member.world, rpn, allow)
-    need = plan.restore[rank] == "buddy"
-    outgoing = engine.ward_buffer.find(t) if plan.restore[ward] == "buddy" else None
-    if plan.restore[ward] == "buddy" and outgoing is None:
-        raise RuntimeError(f"rank {rank} lost its copy of rank {ward}'s snapshot {t}")
-    incoming = engine.own.begin_write() if need else None
-    if incoming is not None or outgoing is not None:
-        exchange(engine.links, outgoing, ward, incoming, buddy, chunk_bytes=engine.chunk_bytes)
+    incoming = engine.swap_for_restore(t, to_ward=plan.restore[ward] == "buddy",
+                                       from_buddy=plan.restore[rank] == "buddy")
     _take_replicated(member, plan, incoming)
-    refill_out = engine.own.find(t) if plan.refill_ward[buddy] else None
-    refill_in = None
-    if plan.refill_ward[rank]:
-        engine.ensure_ward_buffer(shard_bytes[ward], prefault=False)  # mapped as written
-        refill_in = engine.ward_buffer.begin_write()
-    if refill_in is not None or refill_out is not None:
-        exchange(engine.links, refill_out, buddy, refill_in, ward, chunk_bytes=engine.chunk_bytes,
-                 skip_replicated=engine.skips_replicated and refill_out is not None
-                 and refill_out.split > 0)
+    engine.refill_ring(t, to_buddy=plan.refill_ward[buddy],
+                       ward_nbytes=shard_bytes[ward] if plan.refill_ward[rank] else None)
 
 
 def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
@@ -452,25 +439,12 @@ def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
     groups of its own fetches only, with their two members alone (pair_group.py, named
     after the pair), in one global order of the pairs, so no cycle of ranks waits on
     each other; only the members connect and move bytes."""
-    from deadpool_megatron.reconstruct.pair_group import pair_group
-
     engine, rank, t = member.engine, member.rank, plan.target
     pairs = sorted((src, r) for r, src in enumerate(plan.replica_from)
                    if src is not None and rank in (src, r))
     for src, dst in pairs:
-        group = pair_group((src, dst), f"deadpool_fetch_{src}_{dst}", timeout=engine.timeout,
-                           group_desc=REPLICA_FETCH_GROUP)
-        outgoing = engine.own.find(t) if rank == src else None
-        if rank == src and outgoing is None:
-            raise RuntimeError(f"rank {rank} lost its own snapshot {t}, which rank {dst} "
-                               f"needs for its replicated region")
         t0 = time.perf_counter()
-        region = engine.manifest.replicated_nbytes
-        if rank == dst and incoming.split != region:
-            raise RuntimeError(f"rank {rank}: the buddy's copy of snapshot {t} skips "
-                               f"{incoming.split} bytes, this layout replicates {region}")
-        fetch_region(group, outgoing, dst, incoming if rank == dst else None, src,
-                     engine.chunk_bytes, region)
+        region = engine.take_replicated(t, src, dst, incoming, group_desc=REPLICA_FETCH_GROUP)
         member.events.emit("replicated_region_moved", target=t, source=src, to=dst,
                            bytes=region, role="source" if rank == src else "spare",
                            ms=round(1e3 * (time.perf_counter() - t0), 1))
@@ -485,16 +459,13 @@ def _apply(member: Member, plan: RecoveryPlan) -> None:
     how = plan.restore[rank]
     member.state_valid = False
     if how in ("own", "buddy"):
-        slot = engine.own.find(t)
-        if slot is None:
-            raise RuntimeError(f"rank {rank} has no complete snapshot {t} to restore")
-        objects = restore_shard(state.objects, slot, member.cfg.use_distributed_optimizer)
+        objects = restore_shard(state.objects, engine.own_snapshot(t),
+                                member.cfg.use_distributed_optimizer)
         state.iteration, state.consumed_samples = objects["iteration"], objects["consumed_samples"]
         state.valid_consumed = int(objects.get("valid_consumed", 0))
         state.microbatch_losses.clear()
     elif plan.rewinds_rng(rank):
-        slot = engine.own.find(t)
-        rewind_rng(slot.objects if slot is not None else engine.captured[t])
+        rewind_rng(engine.rng_of(t))
     engine.commit_recovered(t)
     forget_collective_caches(state.objects)
     member.state_valid = True
@@ -642,16 +613,11 @@ def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
         return written
     rpn = member.ft.ranks_per_node(member.world)
     ward = ward_of(member.rank, member.world, rpn, member.ft.deadpool_allow_same_node_buddy)
-    holdings = [(member.rank, engine.own)]
-    if ward in lost:
-        holdings.append((ward, engine.ward_buffer))
-    for rank, buffer in holdings:
-        for iteration in buffer.available() if buffer is not None else []:
-            slot = buffer.find(iteration)
-            # A partial copy goes without its replicated region, which its data-parallel
-            # source (alive, or the plan had refused) writes in its own shard.
-            write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None)
-            written.setdefault(str(rank), []).append(iteration)
+    for rank, slot in engine.flushable(ward if ward in lost else None):
+        # A partial copy goes without its replicated region, which its data-parallel
+        # source (alive, or the plan had refused) writes in its own shard.
+        write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None)
+        written.setdefault(str(rank), []).append(slot.iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written
 

@@ -51,9 +51,10 @@ from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, ch
                                                 crc_update, unique_checksum)
 from deadpool_megatron.snapshot.manifest import (Manifest, build_manifest, copy_and_checksum,
                                                  copy_and_tabulate, copy_into)
+from deadpool_megatron.snapshot.moves import RecoveryMoves
 from deadpool_megatron.snapshot.restore import capture_objects
 from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exchange,
-                                                  exchange_int, take_region)
+                                                  exchange_int)
 from deadpool_megatron.reconstruct.pair_group import pair_group
 from deadpool_megatron.topology import ParallelSizes, buddy_of, pair_links, ward_of
 from deadpool_megatron.topology.replicas import replica_source_of, replica_sources
@@ -155,7 +156,7 @@ class SnapshotStats:
     cpu_s: float = 0.0  # CPU time of the worker thread (wall times above include waiting)
 
 
-class SnapshotEngine(TrainingHooks):
+class SnapshotEngine(RecoveryMoves, TrainingHooks):
     def __init__(self, cfg: TrainConfig, ft: DeadPoolConfig, injector: FaultInjector,
                  events: EventLog, device: ProcessDevice | None = None) -> None:
         self.cfg, self.ft = cfg, ft
@@ -437,35 +438,6 @@ class SnapshotEngine(TrainingHooks):
             if buffer is not None:
                 buffer.commit_held(iteration)
         self.committed_iteration = iteration
-
-    def fetch_own_from_buddy(self) -> Slot:
-        """Every rank at once: send the ward its committed copy back, get ours from the buddy.
-
-        The path a spare takes to receive its shard; here it rehearses a full restore.
-        """
-        self.drain()
-        ward_copy = self.ward_buffer.committed_slot()
-        if ward_copy is None:
-            raise SnapshotError(f"rank {self.rank}: no committed snapshot yet")
-        incoming = self.own.loose_slot()
-        exchange(self.links, ward_copy, self.ward, incoming, self.buddy,
-                 chunk_bytes=self.chunk_bytes)
-        self.complete_locally(incoming)
-        return incoming
-
-    def complete_locally(self, incoming: Slot) -> None:
-        """A restore check's partial copy from the buddy: its replicated region from this rank's
-        own slot of the same snapshot (the bytes its data-parallel peer holds too), each
-        chunk checked against the table the buddy kept, as a recovery checks the peer's."""
-        if not incoming.partial:
-            return
-        mine = self.own.find(incoming.iteration)
-        if mine is None:
-            raise SnapshotError(f"rank {self.rank}: no own copy of snapshot "
-                                f"{incoming.iteration} to complete the buddy's copy with")
-        take_region(incoming, lambda piece: piece.copy_(
-            mine.flat[piece.data_ptr() - incoming.flat.data_ptr():][:piece.numel()]),
-            f"rank {self.rank}'s own slot", self.chunk_bytes)
 
     # -- worker thread ---------------------------------------------------------------------
     def _work(self, pipe: _Pipeline) -> None:
