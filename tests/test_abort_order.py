@@ -64,7 +64,7 @@ def _member(tp: int, log: list[str]):
     ctl = types.SimpleNamespace(port=1, worker="w0", wait_generation_after=lambda g: g + 1,
                                 members=lambda g: {0: "w0", 1: "s0.0"},
                                 replaced=lambda g: [1], flush_of=lambda g: None)
-    engine = types.SimpleNamespace(leave=lambda: None, stop_worker=lambda pipe, t: True)
+    engine = types.SimpleNamespace(abandon=lambda: None, stop_worker=lambda pipe, t: True)
     # Rank 0 waits at the data-parallel barrier before the reduction (an intact replica),
     # or, with TP 2, shares its replica with the lost rank 1.
     ledger = types.SimpleNamespace(entry=types.SimpleNamespace(accumulated=True),

@@ -23,7 +23,7 @@ from deadpool_megatron.control.sockets import socket_fd_inodes
 log = logging.getLogger("deadpool_megatron.reconstruct")
 
 
-def leave_generation() -> None:
+def forget_groups() -> None:
     """Forget every group of this generation without waiting for anything.
 
     Called once the generation's training thread has stopped (its connections are cut

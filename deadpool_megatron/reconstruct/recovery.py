@@ -41,7 +41,7 @@ from deadpool_megatron.integration.plain_gather import BadPeerData, all_gather_p
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.memory import PeakRss
 from deadpool_megatron.reconstruct.abort import GenerationCut
-from deadpool_megatron.reconstruct.groups import (join_generation, leave_generation,
+from deadpool_megatron.reconstruct.groups import (join_generation, forget_groups,
                                                   open_connections, socket_inodes)
 from deadpool_megatron.reconstruct.rebind import (GroupKey, NotWalked, group_mapping,
                                                   group_registry,
@@ -229,7 +229,7 @@ def leave(member: Member, training: StoppableThread | None,
     stopped, severed = _stop_training(member, training, lost_replica, cut)
     laps("stopped")
     member.stamp("recovery")
-    pipe = member.engine.leave()
+    pipe = member.engine.abandon()
     severed += cut()
     laps("severed")
     worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
@@ -252,7 +252,7 @@ def leave(member: Member, training: StoppableThread | None,
                              f"being cut ({severed} cut; still open: {open_connections()}), "
                              f"at:\n{where}")
     laps("worker")
-    leave_generation()
+    forget_groups()
     laps("dropped")
     member.events.emit("abort", generation=member.generation, severed=severed,
                        thread_stopped=stopped, lost_replica=lost_replica, laps_ms=laps.ms)
@@ -632,7 +632,7 @@ def flush_alone(member: Member, training: StoppableThread | None) -> None:
         training.stop_now()
         cut = member.cut()
         _join_cutting(training, cut(), cut)
-    member.engine.stop_worker(member.engine.leave(), STOP_TIMEOUT_S)
+    member.engine.stop_worker(member.engine.abandon(), STOP_TIMEOUT_S)
     written = flush_held(member, set())
     committed = flush.commit(member.cfg.save, member.world, prune=False) \
         if member.cfg.save else None

@@ -233,7 +233,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         assert self.pipe is not None, "no snapshot pipeline is open in this generation"
         return self.pipe.links
 
-    def leave(self) -> _Pipeline | None:
+    def abandon(self) -> _Pipeline | None:
         """Abandon the current generation's pipeline and wake a training thread waiting on
         it (its wait then raises). Returns it, for `stop_worker` once connections are cut."""
         pipe, self.pipe = self.pipe, None

@@ -110,7 +110,7 @@ class _Driver:
             return 0
         except Exception as err:  # noqa: BLE001 - a failure while joining or building
             if not caused_by_a_peer(err):
-                return leave_job(member, err, traceback.format_exc())
+                return fail_this_rank(member, err, traceback.format_exc())
             work = self._recover(without_frames(err))
 
         while True:
@@ -135,11 +135,11 @@ class _Driver:
                 log.error("rank %d: job ended by the launcher: %s", member.rank, end)
                 return 1
             except (RecoveryImpossible, CannotContinue, NotAMember) as err:
-                return leave_job(member, err)
+                return fail_this_rank(member, err)
             except Exception as err:  # noqa: BLE001 - a peer's failure, or this rank's own
                 ctl.unwatch()
                 if not declared.is_set() and not caused_by_a_peer(err):
-                    return leave_job(member, err, self._error_text())
+                    return fail_this_rank(member, err, self._error_text())
                 broken = without_frames(err)
             # Outside the except block: an error of this rank's own during the recovery must
             # not carry the peer's error as its context (it would read as a peer's).
@@ -221,9 +221,9 @@ class _Driver:
                     log.error("rank %d: no recovery: %s", member.rank, again)
                     exit_now(1)
                 if isinstance(again, (RecoveryImpossible, CannotContinue, NotAMember)):
-                    exit_now(leave_job(member, again))
+                    exit_now(fail_this_rank(member, again))
                 if not isinstance(again, Exception) or not caused_by_a_peer(again):
-                    exit_now(leave_job(member, again, traceback.format_exc()))
+                    exit_now(fail_this_rank(member, again, traceback.format_exc()))
                 err = without_frames(again)
 
     def _watched(self) -> ContextManager[None]:
@@ -307,10 +307,10 @@ def member_injector(ft: DeadPoolConfig, ctl: ControlClient, rank: int, sizes: ob
     return injector
 
 
-def leave_job(member: Member, err: BaseException, details: str = "") -> int:
+def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int:
     """This rank cannot go on (its own error, or it cannot take part): say why, with the
     traceback, and leave at once; the launcher sees the exit and a spare replaces it."""
-    from deadpool_megatron.reconstruct.groups import leave_generation
+    from deadpool_megatron.reconstruct.groups import forget_groups
 
     reason = f"{type(err).__name__}: {err}"
     log.error("rank %d: leaving the job: %s%s", member.rank, reason,
@@ -318,7 +318,7 @@ def leave_job(member: Member, err: BaseException, details: str = "") -> int:
     member.ctl.report_failure(reason[:2000])
     running = member.ledger.entry.iteration if member.ledger.entry is not None else None
     member.events.emit("rank_failed", reason=reason[:300], iteration=running)
-    leave_generation()
+    forget_groups()
     return 3 if isinstance(err, RecoveryImpossible) else 1
 
 
