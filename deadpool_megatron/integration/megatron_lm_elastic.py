@@ -233,6 +233,7 @@ class MegatronLmLoop:
 
         from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
         from deadpool_megatron.control.progress import StartUp
+        from deadpool_megatron.integration.megatron_ft_setup import on_parsed_arguments
 
         margs = self._arguments()
         training._STARTUP_TIMESTAMPS.clear()
@@ -245,7 +246,8 @@ class MegatronLmLoop:
         margs.deadpool_session = MegatronSession(member, thread, startup)
         try:
             args, kwargs = self._pretrain_args(thread.spare)
-            self.result = self.pretrain(*args, **kwargs)
+            with on_parsed_arguments():
+                self.result = self.pretrain(*args, **kwargs)
         finally:
             startup.close()
             if member.progress is not None:  # a later thread may reuse this one's id
