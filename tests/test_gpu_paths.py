@@ -81,6 +81,7 @@ def test_the_snapshot_worker_sets_the_process_device(slot3, monkeypatch) -> None
 
 def test_the_release_thread_sets_the_process_device() -> None:
     """Old groups (NCCL communicators) are destroyed on the process's device."""
+    from deadpool_megatron.reconstruct.binding import GroupBinding
     from deadpool_megatron.reconstruct.recovery import _release_in_background
 
     released = threading.Event()
@@ -91,7 +92,7 @@ def test_the_release_thread_sets_the_process_device() -> None:
             seen.append(torch.cuda.current_device())
             released.set()
 
-    member = types.SimpleNamespace(retired_groups=[], device=ProcessDevice(SLOT),
+    member = types.SimpleNamespace(groups=GroupBinding(), device=ProcessDevice(SLOT),
                                    events=Events(), rank=0)
     with FakeCuda(devices=8):
         _release_in_background(member)

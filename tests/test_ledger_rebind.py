@@ -137,7 +137,8 @@ def test_a_group_made_for_one_restore_needs_no_successor() -> None:
     """A replica-fetch group of one recovery is in no later generation; a survivor that
     took part in one must still rebind at the next failure (it did not: CI, plain
     optimizer, two failures in a row)."""
-    from deadpool_megatron.reconstruct.recovery import REPLICA_FETCH_GROUP, _kept_groups
+    from deadpool_megatron.reconstruct.binding import REPLICA_FETCH_GROUP
+    from deadpool_megatron.reconstruct.binding import kept_groups as _kept_groups
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=dist.PrefixStore("g0/", store), rank=0, world_size=1)
@@ -152,5 +153,39 @@ def test_a_group_made_for_one_restore_needs_no_successor() -> None:
     try:
         dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
         assert set(group_mapping(old, _kept_groups())) == {id(g) for g in old.values()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_binding_retires_a_generation_and_rebinds_its_successor_by_name() -> None:
+    """reconstruct/binding.py: the objects' groups retired when their generation breaks,
+    the successor's swapped in by name, the audit clean only once nothing reaches an old
+    one, and the retired handed over once."""
+    import types
+
+    from deadpool_megatron.reconstruct.binding import GroupBinding
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g0/", store), rank=0, world_size=1)
+    try:
+        old = dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+        kept = types.SimpleNamespace(group=old)  # a survivor's object
+        binding = GroupBinding()
+        binding.adopt(spare=False, generation=0)
+        assert binding.bound == 0 and old in binding.registry.values()
+        binding.retire(0)
+        assert old in binding.retired
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1/", store), rank=0, world_size=1)
+    try:
+        missed = types.SimpleNamespace(group=old)  # an object the rebind is not given
+        new = dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+        assert binding.rebind(kept, 1) >= 1
+        assert kept.group is new and binding.bound == 1
+        assert binding.stale([kept]) == []
+        assert binding.stale([missed]) != []
+        retired = binding.take_retired()
+        assert old in retired and binding.retired == []
     finally:
         dist.destroy_process_group()

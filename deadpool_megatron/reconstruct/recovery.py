@@ -43,10 +43,8 @@ from deadpool_megatron.metrics.memory import PeakRss
 from deadpool_megatron.reconstruct.abort import GenerationCut
 from deadpool_megatron.reconstruct.groups import (join_generation, forget_groups,
                                                   open_connections, socket_inodes)
-from deadpool_megatron.reconstruct.rebind import (GroupKey, NotWalked, group_mapping,
-                                                  group_registry,
-                                                  MegatronGlobals, rebind_groups,
-                                                  stale_references)
+from deadpool_megatron.reconstruct.binding import REPLICA_FETCH_GROUP, GroupBinding
+from deadpool_megatron.reconstruct.rebind import NotWalked
 from deadpool_megatron.replay.ledger import MicrobatchLedger
 from deadpool_megatron.replay.plan import (FRESH_START, SPARE_REPORT, MicrobatchWork,
                                            RankReport, RecoveryPlan, plan_recovery)
@@ -59,9 +57,6 @@ log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
 RECUT_S = 0.05  # while a thread stops, connections are cut again this often
 RELEASE_WAIT_S = 5.0  # an old generation's group still held after this is reported
-# Made during one restore and used only there: no kept object holds one, so a later
-# rebind has nothing to map it to and skips it.
-REPLICA_FETCH_GROUP = "DEADPOOL_REPLICA_FETCH"
 
 
 class StoppableThread(Protocol):
@@ -99,16 +94,13 @@ class Member(NotWalked):
     ledger: MicrobatchLedger
     injector: FaultInjector
     generation: int = 0
-    bound: int = -1  # the generation whose groups the live objects hold
     state: LoopState | None = None
     state_valid: bool = False  # live objects hold a completed iteration (or a partial one
     # the ledger describes); False for a spare before its restore, or mid-restore
-    registry: dict[GroupKey, Any] = field(default_factory=dict)  # groups the objects hold
-    retired_groups: list[Any] = field(default_factory=list)  # for --deadpool-audit-groups
+    groups: GroupBinding = field(default_factory=GroupBinding)  # the objects' groups
     progress: ProgressBoard | None = None  # what this rank's launcher reads of its progress
     identity: list[tuple[int, int]] = field(default_factory=list)  # params at first build
     start_iteration: int | None = None  # where this job's training began (after --load)
-    megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
     gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
     # Sockets older than this worker's first generation (other libraries', made at start):
     # never cut. Every later one is some generation's, and a broken generation's cut takes
@@ -180,11 +172,6 @@ class Member(NotWalked):
         return replica_sources(self.sizes, self.ft.ranks_per_node(self.world))
 
 
-def _kept_groups() -> dict[GroupKey, Any]:
-    """The groups a rebind maps into the next generation."""
-    return group_registry(skip={REPLICA_FETCH_GROUP})
-
-
 def _param_identity(objs: Any) -> list[tuple[int, int]]:
     return [(id(p), p.data_ptr()) for chunk in objs.model for p in chunk.parameters()]
 
@@ -196,13 +183,11 @@ def adopt(member: Member, state: LoopState, spare: bool) -> None:
     swapped for the real ones by the rebind)."""
     member.state = state
     member.engine.attach(state.objects, prefault=not spare)  # a spare's: on the recovery's path
-    member.registry = group_registry() if spare else _kept_groups()
+    member.groups.adopt(spare, member.generation)
     member.remember_identity()
-    member.megatron_globals.prepare()
     member.state_valid = not spare
     if not spare:
         member.start_iteration = state.iteration
-        member.bound = member.generation
 
 
 # -- leave --------------------------------------------------------------------------------
@@ -220,9 +205,7 @@ def leave(member: Member, training: StoppableThread | None,
     replaced = {r for g in range(member.generation + 1, generation + 1) for r in ctl.replaced(g)}
     lost_replica = flushing or not keep_intact_replicas or \
         member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
-    if member.bound == member.generation:  # groups created since the rebind are named too
-        member.registry = _kept_groups()
-    member.retired_groups += list(member.registry.values())
+    member.groups.retire(member.generation)
     laps("declared")
     member.stamp("recovery")
     cut = member.cut()
@@ -352,13 +335,10 @@ def interrupt(member: Member) -> None:
 def rebind(member: Member) -> int:
     """Swap the new generation's groups into every kept object; returns the references
     replaced."""
-    new = _kept_groups()
-    mapping = group_mapping(member.registry, new)
-    replaced = rebind_groups([member.state.objects, member.megatron_globals], mapping)
-    member.registry, member.bound = new, member.generation
+    replaced = member.groups.rebind(member.state.objects, member.generation)
     if member.ft.deadpool_audit_groups:
         roots = [member.state.objects, member.engine]
-        stale = stale_references(roots, member.retired_groups)
+        stale = member.groups.stale(roots)
         log.info("group audit on rank %d: %d group references reachable from the kept "
                  "objects, %d of them from an old generation", member.rank,
                  sum(1 for _ in _reachable(roots)), len(stale))
@@ -528,7 +508,7 @@ def _release_in_background(member: Member) -> None:
     throughput on 2 cores after a few recoveries). Nothing else may hold them: the broken
     generation's error is dropped without its frames (training/elastic.py), so no cycle
     keeps a group for the garbage collector to destroy at a random point of training."""
-    retired, member.retired_groups = member.retired_groups, []
+    retired = member.groups.take_retired()
     names = [pg.group_desc for pg in retired]
     refs = [weakref.ref(pg) for pg in retired]
 
