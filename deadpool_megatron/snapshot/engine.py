@@ -19,7 +19,7 @@ starts from (iteration 0, or the checkpoint it loaded) is snapshotted and commit
 the first iteration, so a failure in iteration 1 finds it.
 
 Host buffers live as long as the process: they are what a recovery restores from. Each
-membership generation has its own pair groups and worker (`connect`, `leave`).
+membership generation has its own pair groups and worker (`connect`, `abandon`).
 """
 
 from __future__ import annotations
