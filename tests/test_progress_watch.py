@@ -20,7 +20,7 @@ from deadpool_megatron.control.progress import IN_COLLECTIVE, RUNNING, ProgressB
 WAIT_S = 10.0
 
 
-def _where_seen(path: str, board: ProgressBoard) -> int:
+def _where_seen(path: str) -> int:
     """What the monitor writes after its next look (bounded wait)."""
     return _seen_after(path, progress.read(path).monitor_ns).where
 
@@ -41,12 +41,12 @@ def test_a_recovery_waiting_in_the_control_plane_is_watched_as_waiting_for_peers
     board.start_monitor(period_s=0.01)
     try:
         board.training_thread = parked.ident
-        assert _where_seen(path, board) == RUNNING  # a parked thread is no victim
+        assert _where_seen(path) == RUNNING  # a parked thread is no victim
         with board.watching(recovering.ident):
             assert board.training_thread == recovering.ident
-            assert _where_seen(path, board) == IN_COLLECTIVE
+            assert _where_seen(path) == IN_COLLECTIVE
         assert board.training_thread == parked.ident
-        assert _where_seen(path, board) == RUNNING
+        assert _where_seen(path) == RUNNING
     finally:
         board.stop_monitor()
         release.set()
