@@ -91,6 +91,35 @@ def test_hooks_fire_in_our_loops_order() -> None:
     assert config.finalize_model_grads_func is original, "unwrapped after the loop"
 
 
+def test_a_virtual_pipeline_counts_each_micro_batch_once() -> None:
+    """With a virtual pipeline the interleaved schedule runs each micro-batch through every
+    model chunk of the rank: the ledger counts micro-batches (at the first chunk, or a
+    replay's count would be the chunks' times the micro-batches), and the backward phase
+    begins with the first backward, the last chunk's."""
+    rec = Recorder()
+    config = SimpleNamespace(finalize_model_grads_func=lambda *a, **k: None)
+    args = add_deadpool_args(argparse.ArgumentParser()).parse_args([])
+    args.consumed_train_samples = 0
+    chunks = [torch.ones(2, requires_grad=True), torch.full((2,), 2.0, requires_grad=True)]
+    loop = MegatronLoop.start(args, chunks, None, None, config, iteration=0, extra_hooks=[rec])
+
+    def forward_step(data_iterator, model):
+        return model * next(data_iterator), lambda t: (t.sum(), {})
+
+    step, _ = loop.step_functions(forward_step, lambda **kwargs: None)
+    loop.iteration_start(0, 0)
+    data = iter([torch.ones(2)] * 4)
+    outputs = {}
+    for chunk, mb in ((0, 0), (0, 1), (1, 0), (1, 1)):  # the warm-up's forwards
+        outputs[chunk, mb] = step(data, chunks[chunk])[0]
+        rec.seen.append(f"f{chunk}.{mb}")
+    for chunk, mb in ((1, 0), (0, 0), (1, 1), (0, 1)):  # the backward runs the last first
+        outputs[chunk, mb].sum().backward()
+        rec.seen.append(f"b{chunk}.{mb}")
+    assert rec.seen == ["train_start@0", "iteration_start@0", "forward", "f0.0", "microbatch",
+                        "f0.1", "f1.0", "f1.1", "backward", "b1.0", "b0.0", "b1.1", "b0.1"]
+
+
 def test_an_iteration_that_keeps_its_gradients_runs_no_forward_backward() -> None:
     """A replica that lost nothing stops at its reduction and re-enters the same iteration
     with its gradients: the schedule is not run again; the reduction gets the token count
@@ -275,9 +304,6 @@ def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
     monkeypatch.setenv("DEADPOOL_WORKER_ID", "w0")
     with pytest.raises(HotSwapUnsupported, match="drop --inprocess-restart"):
         maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, inprocess_restart=True))
-    with pytest.raises(HotSwapUnsupported, match="virtual pipeline"):
-        maybe_hot_swap(pretrain, SimpleNamespace(
-            deadpool=True, inprocess_restart=False, num_layers_per_virtual_pipeline_stage=1))
     with pytest.raises(HotSwapUnsupported, match="drop --exit-signal-handler"):
         maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, exit_signal_handler=True))
     with pytest.raises(HotSwapUnsupported, match="not verified with --fp8-format, "

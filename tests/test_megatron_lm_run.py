@@ -86,9 +86,12 @@ def plain(patched_tree: Path, tmp_path_factory) -> tuple[JobResult, Path]:
 
 # Features the errors-and-hang job runs with, against a failure-free run of its own: sequence
 # parallelism (CPU workaround sequence-parallel-torch-norm), MoE with expert parallelism
-# (expert groups are parallel groups too: rebound and audited), bf16.
+# (expert groups are parallel groups too: rebound and audited), bf16, and a virtual pipeline
+# (two model chunks of one layer on each pipeline rank, interleaved 1F1B: one data iterator
+# per chunk on a rank that reads data).
 FEATURES = ["--sequence-parallel", "--num-experts", "4", "--expert-model-parallel-size", "2",
-            "--moe-router-topk", "2", "--expert-tensor-parallel-size", "1", "--bf16"]
+            "--moe-router-topk", "2", "--expert-tensor-parallel-size", "1", "--bf16",
+            "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -314,23 +317,29 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
         patched_tree: Path, plain_features: JobResult, corpus: list[str],
         tmp_path: Path) -> None:
     """Failures as they come: a CUDA error raised by Megatron-Core's TransformerLayer.forward
-    in rank 6 (not our injector: faults/megatron_faults.py, its 3rd call: iteration 2's
-    first micro-batch), an exception of rank 2's own in iteration 3, and rank 5 stopped
-    (SIGSTOP) in iteration 4's backward, found by its stalled progress and killed by its
-    launcher. A rank's own error leaves at once with its traceback; every one is taken by a
-    spare and the run ends with the failure-free fingerprint. The job runs with sequence
-    parallelism, MoE over two expert-parallel ranks and bf16 (FEATURES), reading a real
-    indexed dataset (`corpus`): each spare rebuilds the datasets from the files, and the
-    training and validation positions move on as in the failure-free run."""
+    in rank 6 (not our injector: faults/megatron_faults.py, its 5th call: iteration 2's
+    first micro-batch, two layers a micro-batch), an exception of rank 2's own in iteration
+    3, and rank 5 stopped (SIGSTOP) in iteration 4's backward, found by its stalled progress
+    and killed by its launcher. A rank's own error leaves at once with its traceback; every
+    one is taken by a spare and the run ends with the failure-free fingerprint. The job
+    runs with sequence parallelism, MoE over two expert-parallel ranks, bf16 and a virtual
+    pipeline (FEATURES), reading a real indexed dataset (`corpus`): each spare rebuilds the
+    datasets from the files, and the training and validation positions (one iterator per
+    model chunk) move on as in the failure-free run."""
     run = plain_features
     job, events = _hot_swap(
         tmp_path, patched_tree / "pretrain_gpt.py",
         ["raise rank=2 iter=3 phase=forward", "hang rank=5 iter=4 phase=backward"], spares=3,
         extra=["--deadpool-progress-timeout", "5", *FEATURES],
-        env={MEGATRON_FAULT: "raise rank=6 at=forward call=3"},
+        env={MEGATRON_FAULT: "raise rank=6 at=forward call=5"},
         model=[*REAL_DATA_MODEL, *corpus])
-    check_recoveries(job, events, run.fingerprint, count=3)
+    recovered = check_recoveries(job, events, run.fingerprint, count=3)
     assert _spares_took(events) == [(1, [6], ["6"]), (2, [2], ["2"]), (3, [5], ["5"])]
+    # Both errors came in a forward pass of the replica of ranks 2, 3, 6, 7: the other
+    # replica kept the gradients of its interleaved iteration and recomputed nothing.
+    for g in (1, 2):
+        kept = {e["rank"] for e in recovered if e["generation"] == g and e["kept_grads"]}
+        assert kept == {0, 1, 4, 5}, (g, recovered)
     detected = [(e["rank"], e["how"]) for e in events if e["event"] == "failure_detected"]
     assert detected == [(6, "exit"), (2, "exit"), (5, "hang")], detected
     assert CUDA_ERROR in job.output and "InjectedFault" in job.output, job.describe()
@@ -365,3 +374,25 @@ def test_overlapped_communication_and_recomputation_are_hot_swapped(
     assert all(gen[1][r]["microbatches_recomputed"] == 0 for r in kept[1])
     assert job.losses[4] == run.losses[4], job.describe()
     assert _validation(job.output) == _validation(run.output), job.describe()
+
+
+@pytest.mark.fault_matrix
+def test_a_virtual_pipeline_with_overlapped_reduction_is_hot_swapped(
+        patched_tree: Path, plain_features: JobResult, corpus: list[str],
+        tmp_path: Path) -> None:
+    """A virtual pipeline with --overlap-grad-reduce --overlap-param-gather (with FEATURES,
+    as large jobs run): the interleaved schedule starts a chunk's reduction after its last
+    backward, while the chunk before it still computes its own, so no stop there keeps
+    gradients (kept, the replica's earlier chunk would miss a micro-batch's gradients and
+    the run would end off the failure-free fingerprint). Kills in iteration 1's forward
+    and iteration 3's backward: each replica recomputes its micro-batches, and the run
+    ends with the fingerprint of the failure-free run without the overlap."""
+    job, events = _hot_swap(
+        tmp_path, MEGATRON_GPT,
+        ["kill rank=5 iter=1 phase=forward", "kill rank=2 iter=3 phase=backward"], spares=2,
+        extra=[*FEATURES, "--overlap-grad-reduce", "--overlap-param-gather"],
+        model=[*REAL_DATA_MODEL, *corpus])
+    recovered = check_recoveries(job, events, plain_features.fingerprint, count=2)
+    assert _spares_took(events) == [(1, [5], ["5"]), (2, [2], ["2"])]
+    assert not any(e["kept_grads"] for e in recovered), recovered
+    assert all(e["microbatches_recomputed"] == 2 for e in recovered), recovered

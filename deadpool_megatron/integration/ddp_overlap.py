@@ -33,10 +33,13 @@ def watch_bucket_reductions(model: Sequence[Any], begins: Callable[[bool], None]
     gradient hook found it ready while the pass may still fill others), True otherwise
     (the schedule's grad_sync_func after the last backward, finalize_model_grads). Asking
     autograd whether a backward pass runs costs nothing per parameter: only the start of a
-    bucket is wrapped. Wrapped per entry of train(); a wrapper left by a train() that was
-    left wraps nothing twice."""
+    bucket is wrapped. With a virtual pipeline the interleaved schedule starts a chunk's
+    reduction after its last backward, while the chunks before it still compute theirs:
+    a start is never taken for one with every gradient in place. Wrapped per entry of
+    train(); a wrapper left by a train() that was left wraps nothing twice."""
     import torch
 
+    chunks_pending = len(model) > 1
     for chunk in model:
         if not _overlaps(chunk, "overlap_grad_reduce"):
             continue
@@ -44,7 +47,8 @@ def watch_bucket_reductions(model: Sequence[Any], begins: Callable[[bool], None]
             start = _original(group.start_grad_sync)
 
             def watched(*args: Any, _start: Callable = start, **kwargs: Any) -> Any:
-                begins(torch._C._current_graph_task_id() == -1)  # -1: no backward running
+                # -1: no backward running
+                begins(not chunks_pending and torch._C._current_graph_task_id() == -1)
                 return _start(*args, **kwargs)
 
             watched.deadpool_original = start  # type: ignore[attr-defined]
@@ -64,7 +68,9 @@ def unwatch_bucket_reductions(model: Sequence[Any]) -> None:
 
 def start_grad_syncs(model: Sequence[Any]) -> None:
     """Dispatch every bucket's reduction (an iteration that kept its gradients ran no
-    backward, which would have): finalize_model_grads then waits for them."""
+    backward, which would have): finalize_model_grads then waits for them. Never with a
+    virtual pipeline, whose chunks' reductions are not taken for kept gradients
+    (`watch_bucket_reductions`), so the order of several chunks never arises here."""
     for chunk in model:
         if _overlaps(chunk, "overlap_grad_reduce"):
             chunk.start_grad_sync()

@@ -22,9 +22,8 @@ def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
 
     if iterator is None:  # a rank that reads no data (Megatron gives it no iterator)
         return None
-    if isinstance(iterator, list):
-        raise RuntimeError("moving a virtual pipeline's data iterators (one per stage) is "
-                           "not supported yet: drop --num-layers-per-virtual-pipeline-stage")
+    if isinstance(iterator, list):  # a virtual pipeline: one iterator per model chunk
+        return [data_iterator_at(each, consumed_samples) for each in iterator]
     dataset = getattr(getattr(iterator, "iterable", None), "_dataset", None)
     if dataset is None or get_args().dataloader_type != "single":
         raise RuntimeError("only Megatron's 'single' data loader can be moved to a restored "
@@ -62,7 +61,7 @@ def validation_at(arguments: dict[str, Any], valid_consumed: int) -> None:
     if iterator is None or getattr(margs, "full_validation", False) or \
             int(getattr(margs, "consumed_valid_samples", 0)) == valid_consumed:
         return
-    if isinstance(iterator, list):
+    if getattr(margs, "multiple_validation_sets", False):
         raise RuntimeError("moving several validation sets' iterators to a restored position "
                            "is not supported yet: use one --valid-data-path")
     arguments["valid_data_iterator"] = data_iterator_at(iterator, valid_consumed)

@@ -269,7 +269,8 @@ class MegatronLoop(NotWalked):
         self.work = work or {}
         self.accumulated = accumulated if accumulated is not None else Accumulated()
         self._current: Any = None  # the running iteration's MicrobatchWork, if any
-        self._forwards = 0  # forward steps of the running iteration
+        self._forwards = 0  # micro-batch forwards of the running iteration
+        self._backward_watched = False  # its first backward has a hook
         self._config = config
         self._finalize: Callable | None = getattr(config, "finalize_model_grads_func", None)
         self._reducing = False  # the running iteration's reduction began
@@ -353,12 +354,17 @@ class MegatronLoop(NotWalked):
 
         @functools.wraps(forward_step_func)
         def step(*args: Any, **kwargs: Any) -> Any:
-            first = self._forwards == 0
-            self._forwards += 1
-            self.hooks.on_phase("forward" if first else "microbatch", self.state)
+            chunk = args[1] if len(args) > 1 else kwargs.get("model")
+            if self._is_chunk(chunk, 0):  # a micro-batch begins at the model's first chunk
+                first = self._forwards == 0
+                self._forwards += 1
+                self.hooks.on_phase("forward" if first else "microbatch", self.state)
             result = forward_step_func(*args, **kwargs)
             output = result[0] if isinstance(result, tuple) else result
-            if first and getattr(output, "requires_grad", False):
+            # The iteration's first backward is its last chunk's first micro-batch's.
+            if not self._backward_watched and self._is_chunk(chunk, -1) and \
+                    getattr(output, "requires_grad", False):
+                self._backward_watched = True
                 output.register_hook(self._backward_started)
             if isinstance(result, tuple) and len(result) == 2 and callable(result[1]):
                 return output, self._recorded(result[1])
@@ -379,6 +385,11 @@ class MegatronLoop(NotWalked):
             return list(self.accumulated.losses)
 
         return step, forward_backward
+
+    def _is_chunk(self, chunk: Any, index: int) -> bool:
+        """`chunk` is the model's chunk `index` (with a virtual pipeline each micro-batch
+        passes through every chunk of a rank; without one there is one)."""
+        return len(self._model) < 2 or chunk is self._model[index]
 
     def _recorded(self, loss_func: Callable) -> Callable:
         """The micro-batch's loss function, its reported values kept (Accumulated)."""
@@ -407,6 +418,7 @@ class MegatronLoop(NotWalked):
     def iteration_start(self, iteration: int, consumed_samples: int) -> None:
         self.state.iteration, self.state.consumed_samples = iteration, consumed_samples
         self._forwards = 0
+        self._backward_watched = False
         self._reducing = False
         self._current = self.work.get(iteration + 1)
         if not self._keeps():

@@ -53,11 +53,6 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
     if getattr(args, "inprocess_restart", False):
         raise HotSwapUnsupported("--deadpool under deadpool-launch replaces Megatron's "
                                  "in-process restart: drop --inprocess-restart")
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or \
-            getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None:
-        raise HotSwapUnsupported("hot-swap in Megatron's own loop re-enters train() with one "
-                                 "data iterator: a virtual pipeline is not supported yet "
-                                 "(drop --num-layers-per-virtual-pipeline-stage)")
     if getattr(args, "exit_signal_handler", False) or \
             getattr(args, "exit_signal_handler_for_training", False):
         raise HotSwapUnsupported("hot-swap runs Megatron's pretrain() in a thread of its own, "
