@@ -13,6 +13,7 @@ and rebind their groups, and train() is entered again at the restored iteration
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -96,25 +97,47 @@ FEATURES = ["--sequence-parallel", "--num-experts", "4", "--expert-model-paralle
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
-    """A real Megatron indexed dataset (.bin/.idx) made here, as the flags that replace
-    --mock-data: 300 pre-tokenized documents of 20 to 80 random token ids, read through the
-    NullTokenizer (Megatron's tokenizer for pre-tokenized data), 90/10 train/valid."""
+    """A real Megatron indexed dataset (.bin/.idx) made here from text, with a text
+    tokenizer trained here, as the flags that replace --mock-data: a SentencePiece BPE
+    model (120 pieces) trained on 300 generated sentences, which Megatron's
+    GPTSentencePieceTokenizer turns into the documents (each ended by its end-of-document
+    token), 90/10 train/valid."""
+    import sentencepiece
+
     from deadpool_megatron.rehearsal import prepare_megatron_import
 
     prepare_megatron_import(True)  # megatron.core's package imports on a machine without CUDA
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
-    prefix = tmp_path_factory.mktemp("corpus") / "corpus_text_document"
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    root = tmp_path_factory.mktemp("corpus")
+    words = ("the a model rank spare buddy snapshot gradient pipeline tensor data parallel "
+             "failure recovery iteration batch loss layer expert token").split()
     rng = np.random.default_rng(7)
-    for _ in range(300):
-        length = int(rng.integers(20, 80))
-        builder.add_document(rng.integers(0, 500, length, dtype=np.int32), [length])
+    text = [" ".join(rng.choice(words, int(rng.integers(8, 40)))) + "." for _ in range(300)]
+    (root / "text.txt").write_text("\n".join(text))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(root / "text.txt"), model_prefix=str(root / "tokenizer"), vocab_size=120,
+        model_type="bpe", minloglevel=2)
+    flags = ["--tokenizer-type", "GPTSentencePieceTokenizer",
+             "--tokenizer-model", str(root / "tokenizer.model")]
+    tokenizer = build_tokenizer(argparse.Namespace(
+        tokenizer_type=flags[1], tokenizer_model=flags[3], metadata_path=None,
+        chat_template=None, special_tokens=None, pad_vocab_size=False,
+        tokenizer_sentencepiece_ignore_extra_whitespaces=True,
+        tokenizer_sentencepiece_legacy=False))
+    prefix = root / "corpus_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for line in text:
+        ids = [*tokenizer.tokenize(line), tokenizer.eod]
+        builder.add_document(np.array(ids, dtype=np.int32), [len(ids)])
     builder.finalize(f"{prefix}.idx")
-    return ["--data-path", str(prefix), "--split", "90,10,0"]
+    return ["--data-path", str(prefix), "--split", "90,10,0", *flags]
 
 
-REAL_DATA_MODEL = [a for a in MODEL if a != "--mock-data"]
+# The real-data runs take their vocabulary from the tokenizer (`corpus`).
+REAL_DATA_MODEL = [a for i, a in enumerate(MODEL) if a != "--mock-data" and
+                   "--vocab-size" not in MODEL[max(i - 1, 0):i + 1]]
 
 
 @pytest.fixture(scope="module")
