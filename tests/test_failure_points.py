@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import GPT_3D_ARGS
-from recoveries import check_recoveries
+from recoveries import SPREAD_TOLERANCE, check_recoveries
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.fault_matrix]
 ITERS = 8
-SPREAD_TOLERANCE = 1e-6  # relative, on the L2 norm of all parameters after ITERS iterations
 ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
 TP2_DP4 = [a for a in GPT_3D_ARGS if a != "--use-distributed-optimizer"]
 TP2_DP4[TP2_DP4.index("--pipeline-model-parallel-size") + 1] = "1"

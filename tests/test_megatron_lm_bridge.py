@@ -314,3 +314,14 @@ def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
     with pytest.raises(HotSwapUnsupported, match="not verified with --use-nccl-ub:"):
         maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, nccl_ub=True, fp8=None,
                                                  cuda_graph_impl="none"))
+    # A spread replay's share of an iteration, where part of the loss is scaled by the
+    # whole iteration's micro-batch or token count.
+    with pytest.raises(HotSwapUnsupported, match="spread .* with --num-experts, "
+                                                 "--calculate-per-token-loss a part of the loss"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, deadpool_replay="spread",
+                                                 num_experts=4, calculate_per_token_loss=True))
+    with pytest.raises(HotSwapUnsupported, match="spread .* with --mtp-num-layers, "
+                                                 "--num-layers-per-virtual-pipeline-stage"):
+        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, deadpool_replay="spread",
+                                                 mtp_num_layers=1,
+                                                 num_layers_per_virtual_pipeline_stage=1))

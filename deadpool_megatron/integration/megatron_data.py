@@ -6,7 +6,7 @@ same dataset: no collective, no dataset rebuilt."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Sequence
 
 
 def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
@@ -35,6 +35,33 @@ def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
     # Nothing of the old position replays (RerunDataIterator's own record of it).
     iterator.saved_microbatches, iterator.replaying, iterator.replay_pos = [], False, 0
     return iterator
+
+
+def spread_iterator(iterator: Any, consumed_samples: int, items: Sequence[tuple[int, int]],
+                    micro_batch_size: int, dp_size: int) -> Any:
+    """The micro-batches `items` ((data-parallel rank, index) pairs of the global batch
+    that starts at `consumed_samples`) read from the dataset of Megatron's training
+    `iterator` and collated as its loader collates: a spread replay computes some of
+    another replica's micro-batches. Made locally, without worker processes; the random
+    streams untouched (see data_iterator_at)."""
+    import torch
+    from megatron.training import get_args
+
+    from deadpool_megatron.integration.data import microbatch_sample_indices
+
+    if iterator is None:  # a rank that reads no data
+        return None
+    loader = getattr(iterator, "iterable", None)
+    dataset, collate = getattr(loader, "_dataset", None), getattr(loader, "_collate_fn", None)
+    if dataset is None or collate is None or get_args().dataloader_type != "single":
+        raise RuntimeError("a spread replay reads micro-batches from Megatron's 'single' "
+                           "data loader only: drop --deadpool-replay spread or "
+                           f"--dataloader-type {get_args().dataloader_type}")
+    batches = [list(microbatch_sample_indices(consumed_samples, index, micro_batch_size,
+                                              dp_rank, dp_size)) for dp_rank, index in items]
+    with torch.random.fork_rng(devices=[]):
+        return iter(torch.utils.data.DataLoader(dataset, batch_sampler=batches,
+                                                collate_fn=collate))
 
 
 def evaluated(args: argparse.Namespace, iteration: int) -> int:

@@ -271,6 +271,7 @@ class MegatronLoop(NotWalked):
         self._current: Any = None  # the running iteration's MicrobatchWork, if any
         self._forwards = 0  # micro-batch forwards of the running iteration
         self._backward_watched = False  # its first backward has a hook
+        self._loss_scale: float | None = None  # a spread replay's, on each loss
         self._config = config
         self._finalize: Callable | None = getattr(config, "finalize_model_grads_func", None)
         self._reducing = False  # the running iteration's reduction began
@@ -341,10 +342,18 @@ class MegatronLoop(NotWalked):
         self.hooks.on_phase("reduction", self.state)
 
     def _keeps(self) -> bool:
-        """The running iteration keeps the gradients accumulated before a failure and
-        computes nothing (a replica that lost no rank)."""
+        """The running iteration keeps the gradients accumulated before a failure (a
+        replica that lost no rank): with local replay it computes nothing more, with
+        spread replay some lost micro-batches on top."""
         work = self._current
-        return work is not None and work.keep_grads and work.microbatches == ()
+        return work is not None and work.keep_grads
+
+    def _named(self) -> tuple | None:
+        """The micro-batches the running iteration computes when the replay names them
+        (`MicrobatchWork.microbatches`: () none, or some of any replica's); None: this
+        rank's own, through Megatron's schedule as usual."""
+        work = self._current
+        return None if work is None else work.microbatches
 
     def step_functions(self, forward_step_func: Callable,
                        forward_backward_func: Callable) -> tuple[Callable, Callable]:
@@ -372,11 +381,14 @@ class MegatronLoop(NotWalked):
 
         @functools.wraps(forward_backward_func)
         def forward_backward(*args: Any, **kwargs: Any) -> Any:
-            if not self._keeps():
+            named = self._named()
+            if named is None:
                 return forward_backward_func(*args, **kwargs)
+            if named:  # spread replay: these micro-batches, each weighing 1/N
+                return self._spread(forward_backward_func, named, args, kwargs)
             model = kwargs["model"]
             model = model if isinstance(model, list) else [model]
-            self._reduction_begins()  # every gradient is there: kept
+            self._reduction_begins()  # every gradient is there: kept (or none: zeroed)
             ddp_overlap.start_grad_syncs(model)  # the backward it skips would have
             self._config.finalize_model_grads_func(
                 model, self.accumulated.num_tokens,
@@ -385,6 +397,30 @@ class MegatronLoop(NotWalked):
             return list(self.accumulated.losses)
 
         return step, forward_backward
+
+    def _spread(self, forward_backward_func: Callable, named: tuple, args: tuple,
+                kwargs: dict[str, Any]) -> Any:
+        """Megatron's schedule over the named micro-batches (data-parallel rank, index) of
+        the running iteration, read from this rank's dataset; each loss scaled so that it
+        weighs 1/N of the iteration (the schedule divides by the count it runs). A replica
+        that kept its gradients adds them on top and reports every loss it holds."""
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+
+        from deadpool_megatron.integration.megatron_data import spread_iterator
+
+        count = int(kwargs["num_microbatches"])
+        kwargs = {**kwargs, "num_microbatches": len(named),
+                  "data_iterator": spread_iterator(
+                      kwargs["data_iterator"], self.state.consumed_samples, named,
+                      int(get_args().micro_batch_size),
+                      parallel_state.get_data_parallel_world_size())}
+        self._loss_scale = len(named) / count
+        try:
+            result = forward_backward_func(*args, **kwargs)
+        finally:
+            self._loss_scale = None
+        return list(self.accumulated.losses) if self._keeps() else result
 
     def _is_chunk(self, chunk: Any, index: int) -> bool:
         """`chunk` is the model's chunk `index` (with a virtual pipeline each micro-batch
@@ -402,6 +438,8 @@ class MegatronLoop(NotWalked):
                 self.accumulated.losses.append(
                     {k: v.detach().clone() if hasattr(v, "detach") else v
                      for k, v in reported.items()})
+            if self._loss_scale is not None and isinstance(outputs, tuple):
+                outputs = (outputs[0] * self._loss_scale, *outputs[1:])
             return outputs
 
         return recorded
@@ -452,7 +490,8 @@ class MegatronLoop(NotWalked):
         import torch.distributed as dist
 
         if dist.is_initialized():
-            from deadpool_megatron.integration.fingerprint import job_fingerprint
+            from deadpool_megatron.integration.fingerprint import (job_fingerprint,
+                                                                   job_param_norm)
 
             objs = self.state.objects
             # With --overlap-param-gather the last step's parameters reach the ranks that do
@@ -460,5 +499,7 @@ class MegatronLoop(NotWalked):
             # state is the same with and without the overlap.
             ddp_overlap.gather_params(objs.model)
             fingerprint = job_fingerprint(objs.model, objs.optimizer, objs.scheduler)
+            norm = job_param_norm(objs.model)  # what a spread replay is compared by
             if dist.get_rank() == 0:
-                print(f"state fingerprint: {fingerprint}", flush=True)
+                print(f"state fingerprint: {fingerprint}\nparameter norm: {norm!r}",
+                      flush=True)

@@ -66,14 +66,38 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
             f"captured CUDA graphs) is not in the snapshot, and the group audit cannot see "
             f"it; drop them, or drop --deadpool (deadpool-launch then restarts the job "
             f"from --save)")
-    if getattr(args, "deadpool_replay", "local") != "local":
-        raise HotSwapUnsupported("--deadpool-replay spread is not supported in Megatron's own "
-                                 "loop yet (its schedules take one micro-batch count per "
-                                 "iteration): drop it (the default, local, is bit-exact)")
+    spread_blocked = spread_refusals(args)
+    if getattr(args, "deadpool_replay", "local") == "spread" and spread_blocked:
+        raise HotSwapUnsupported(
+            f"--deadpool-replay spread computes some micro-batches of an iteration in a "
+            f"schedule of their own, each loss scaled to weigh 1/N; with "
+            f"{', '.join(spread_blocked)} a part of the loss is scaled by the schedule's "
+            f"micro-batch count or by the tokens of the whole iteration, which a share of "
+            f"it does not see: drop them, or drop --deadpool-replay spread (the default, "
+            f"local, is bit-exact)")
     from deadpool_megatron.control.client import ControlClient
 
     ctl = ControlClient.from_env()  # joins the control plane now, before any group
     return HotSwapPretrain(pretrain, ctl)
+
+
+def spread_refusals(args: argparse.Namespace) -> list[str]:
+    """The flags of `args` with which a spread replay's share of an iteration would not
+    weigh what it weighs in the whole: MoE's auxiliary losses and multi-token prediction
+    are scaled by the schedule's micro-batch count, per-token loss by the iteration's
+    token count; a virtual pipeline needs at least as many micro-batches as pipeline
+    stages in a schedule."""
+    blocked = []
+    if getattr(args, "num_experts", None):
+        blocked.append("--num-experts")
+    if getattr(args, "mtp_num_layers", None):
+        blocked.append("--mtp-num-layers")
+    if getattr(args, "calculate_per_token_loss", False):
+        blocked.append("--calculate-per-token-loss")
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or \
+            getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None:
+        blocked.append("--num-layers-per-virtual-pipeline-stage")
+    return blocked
 
 
 # Megatron's argument, the flag that sets it, and the value that leaves it off.
@@ -306,11 +330,11 @@ class MegatronSession(NotWalked):
             state = self.member.state
             margs.iteration = margs.curr_iteration = state.iteration
             margs.consumed_train_samples = state.consumed_samples
-            first = work.get(state.iteration + 1)
-            if first is not None and not (first.keep_grads and first.microbatches == ()):
-                # This rank recomputes: its iterator goes back to the restored position.
+            position = _position_after_restore(work.get(state.iteration + 1),
+                                               state.consumed_samples)
+            if position is not None:
                 call.arguments["train_data_iterator"] = data_iterator_at(
-                    call.arguments["train_data_iterator"], state.consumed_samples)
+                    call.arguments["train_data_iterator"], position)
             validation_at(call.arguments, state.valid_consumed)
             left_train(state.iteration, call.arguments)
             return enter_train(train, call)
@@ -331,6 +355,22 @@ class MegatronSession(NotWalked):
             hooks.append(RewindCheck(member.engine, ft.deadpool_verify_restore_at,
                                      member.cfg.use_distributed_optimizer))
         return hooks
+
+
+def _position_after_restore(first: Any, consumed_samples: int) -> int | None:
+    """Where a rank's training iterator must stand when train() is entered again at the
+    restored iteration, whose global batch starts at `consumed_samples`; None: where it
+    is. `first`: the replay's work in the iteration after the restored one. A rank that
+    kept its gradients read its own micro-batches of it already; one that recomputes its
+    own reads them again; a spread replay reads the ones it computes apart
+    (`spread_iterator`), so its own iterator moves past the iteration."""
+    if first is None or first.keep_grads:
+        return None
+    if first.microbatches is None:
+        return consumed_samples
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+    return consumed_samples + int(get_current_global_batch_size())
 
 
 @contextlib.contextmanager
