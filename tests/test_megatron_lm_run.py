@@ -453,3 +453,29 @@ def test_spread_replay_in_megatrons_loop_deals_the_lost_microbatches_once(
           f"failure-free {reference.param_norm!r}: relative difference {relative:.2e}")
     assert relative < SPREAD_TOLERANCE
     assert job.fingerprint != reference.fingerprint  # not bit-identical, as documented
+
+
+@pytest.mark.fault_matrix
+def test_a_failure_during_a_batch_size_ramp_is_hot_swapped(tmp_path: Path) -> None:
+    """Megatron 0.19's batch-size ramp, --step-batch-size-schedule (--rampup-batch-size is
+    deprecated there and ignored): a global batch of 4 (one micro-batch per replica) for
+    the first 8 samples, then 8 (two). Kills in iteration 2's backward (batch 4) and
+    iteration 3's forward (batch 8): each recovery plans with the interrupted
+    iteration's own batch, every rank computes what the plan counted (check_recoveries),
+    and the run ends with the failure-free fingerprint."""
+    ramp = [a for i, a in enumerate(MODEL) if "--global-batch-size" not in
+            MODEL[max(i - 1, 0):i + 1]] + ["--step-batch-size-schedule", "0:4 256:8"]  # tokens
+    reference = run_job(8, [*ramp, *CPU_FLAGS], tmp_path / "reference", timeout_s=400,
+                        script=MEGATRON_GPT, env=ENV)
+    assert reference.ok and reference.fingerprint, reference.describe()
+    batches = re.findall(r"iteration +(\d+)/ +4 \|.*?global batch size: +(\d+)",
+                         reference.output)
+    assert sorted(set(batches)) == [("1", "4"), ("2", "4"), ("3", "8"), ("4", "8")], batches
+    job, events = _hot_swap(
+        tmp_path, MEGATRON_GPT,
+        ["kill rank=2 iter=2 phase=backward", "kill rank=5 iter=3 phase=forward"], spares=2,
+        model=ramp)
+    recovered = check_recoveries(job, events, reference.fingerprint, count=2)
+    assert _spares_took(events) == [(1, [2], ["2"]), (2, [5], ["5"])]
+    assert {e["microbatches_recomputed"] for e in recovered if not e["kept_grads"]} == \
+        {1, 2}

@@ -97,6 +97,23 @@ def test_spread_deals_each_lost_microbatch_to_exactly_one_replica() -> None:
     assert sum(plan.recomputed(r) for r in range(8)) == N * 2  # 2 tensor-parallel ranks each
 
 
+def test_a_batch_size_schedule_counts_each_iteration_with_its_own_batch() -> None:
+    """Under a batch-size schedule the micro-batches per replica differ from iteration to
+    iteration: the plan counts each replayed iteration with its own."""
+    def ramp(iteration: int) -> int:
+        return 1 if iteration <= 4 else 2
+
+    reports = killed_in_backward_of_5()
+    reports[BUDDY[5]] = survivor(intact=False, ward=(3,))  # back to snapshot 3
+    plan = plan_recovery(reports, {5}, BUDDY, REPLICA, ramp)
+    assert plan.target == 3 and plan.num_microbatches == 1 and plan.count(5) == 2
+    assert plan.recomputed(0) == 1 + 2 == plan.whole_iteration_replay()
+    spread = plan_recovery(killed_in_backward_of_5(), {5}, BUDDY, REPLICA, ramp,
+                           mode="spread")
+    assert sorted(mb for r in (0, 2) for mb in spread.work[r][5].microbatches) == \
+        [(0, 0), (0, 1)]  # replica 0's two micro-batches of iteration 5, one each
+
+
 def test_before_the_start_snapshot_committed_the_start_is_rebuilt() -> None:
     start = RankReport(own=(0,), ward=(), live=0, grads_intact=False, reached=0, at_start=True)
     reports = [start] * 8

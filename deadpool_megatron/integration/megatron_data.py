@@ -93,3 +93,29 @@ def validation_at(arguments: dict[str, Any], valid_consumed: int) -> None:
                            "is not supported yet: use one --valid-data-path")
     arguments["valid_data_iterator"] = data_iterator_at(iterator, valid_consumed)
     margs.consumed_valid_samples = valid_consumed
+
+
+class BatchSchedule:
+    """Micro-batches per replica in an iteration under Megatron's batch-size schedule
+    (--step-batch-size-schedule): what a recovery plans with when the interrupted
+    iteration's batch is not the job's first. Megatron's own calculator is walked from
+    the start, as Megatron's update_train_iters walks it, and put back where train() left
+    it; the consumed samples before each iteration are kept, so each is walked once."""
+
+    def __init__(self) -> None:
+        self._consumed = [0]  # samples consumed before iteration i + 1
+
+    def __call__(self, iteration: int) -> int:
+        from megatron.core.num_microbatches_calculator import (
+            get_current_global_batch_size, get_num_microbatches, update_num_microbatches)
+        from megatron.training import get_args
+
+        try:
+            while len(self._consumed) < iteration:
+                update_num_microbatches(self._consumed[-1], consistency_check=False)
+                self._consumed.append(self._consumed[-1] + get_current_global_batch_size())
+            update_num_microbatches(self._consumed[iteration - 1], consistency_check=False)
+            return int(get_num_microbatches())
+        finally:
+            update_num_microbatches(int(get_args().consumed_train_samples),
+                                    consistency_check=False)

@@ -94,6 +94,8 @@ def spread_refusals(args: argparse.Namespace) -> list[str]:
         blocked.append("--mtp-num-layers")
     if getattr(args, "calculate_per_token_loss", False):
         blocked.append("--calculate-per-token-loss")
+    if getattr(args, "step_batch_size_schedule", None):
+        blocked.append("--step-batch-size-schedule")
     if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or \
             getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None:
         blocked.append("--num-layers-per-virtual-pipeline-stage")
@@ -150,6 +152,7 @@ class HotSwapPretrain:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
+        from deadpool_megatron.integration.megatron_data import BatchSchedule
         from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
         from deadpool_megatron.training.driver import exit_now, run_worker
         from deadpool_megatron.training.elastic import new_worker_member
@@ -163,13 +166,15 @@ class HotSwapPretrain:
         from deadpool_megatron.integration.device import ProcessDevice
 
         device = ProcessDevice.choose(cfg.distributed_backend)
+        schedule = BatchSchedule() if getattr(margs, "step_batch_size_schedule", None) \
+            else None
 
         def new_member(rank: int, generation: int) -> Any:
             # Megatron's --load reads only Megatron's checkpoints: a flush writes nothing,
             # and the job restarts from its --save.
             return new_worker_member(cfg, ft, self.ctl, rank, generation, world,
                                      cfg.distributed_backend == "gloo", progress, device,
-                                     flushes_snapshots=False)
+                                     flushes_snapshots=False, microbatches_of=schedule)
 
         rc = run_worker(self.ctl, new_member, loop,
                         inherited_thread_context(cfg.distributed_backend))

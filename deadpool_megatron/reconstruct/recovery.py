@@ -112,6 +112,9 @@ class Member(NotWalked):
     # way: ours, or Megatron-LM's own initialisation); None: ours for `cfg`.
     make_groups: Callable[[timedelta], None] | None = None
     keeps_replicas: bool = True  # an intact replica keeps its gradients (recovery.leave)
+    # Micro-batches per replica in an iteration, where a batch-size schedule varies them
+    # (Megatron's loop); None: cfg's, the same in every iteration.
+    microbatches_of: Callable[[int], int] | None = None
     # A flush writes this rank's snapshots to --save; off where the restart reads only the
     # loop's own checkpoints (Megatron-LM's --load).
     flushes_snapshots: bool = True
@@ -383,7 +386,7 @@ def agree(member: Member, report: RankReport) -> tuple[RecoveryPlan, list[int]]:
         raise CannotContinue(f"rank {member.rank}: a peer's recovery report is malformed "
                              f"({err})") from None
     replaced = set(member.ctl.replaced(member.generation))
-    num_mb = member.cfg.num_microbatches(member.world)
+    num_mb = member.microbatches_of or member.cfg.num_microbatches(member.world)
     plan = plan_recovery(reports, replaced, member.buddies(),
                          [member.replica_of(r) for r in range(member.world)], num_mb,
                          member.ft.deadpool_replay, member.sources())

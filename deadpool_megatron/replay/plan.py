@@ -28,8 +28,8 @@ The rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from deadpool_megatron.control.policy import RecoveryImpossible
 
@@ -108,18 +108,25 @@ class RecoveryPlan:
     work: tuple[dict[int, MicrobatchWork], ...]  # per rank: iteration -> work (T+1 .. F)
     last_iteration: int  # F: the last iteration any rank had worked on
     refill_ward: tuple[bool, ...]  # per rank: its ward copy of T is sent to it (a spare)
-    num_microbatches: int
+    num_microbatches: int  # per replica in iteration T+1
     # per rank: the data-parallel peer whose own slot of T gives it the replicated region
     # (its buddy holds T without it); None: nothing to take from a peer
     replica_from: tuple[int | None, ...] = ()
+    # per replica in each of T+1 .. F where it differs from num_microbatches (a batch-size
+    # schedule)
+    counts: dict[int, int] = field(default_factory=dict)
+
+    def count(self, iteration: int) -> int:
+        """Micro-batches per replica in `iteration` (T+1 .. F)."""
+        return self.counts.get(iteration, self.num_microbatches)
 
     def recomputed(self, rank: int) -> int:
         """Micro-batches `rank` computes for iterations T+1 .. F."""
-        return sum(w.count(self.num_microbatches) for w in self.work[rank].values())
+        return sum(w.count(self.count(it)) for it, w in self.work[rank].items())
 
     def whole_iteration_replay(self) -> int:
         """What a replay of whole iterations from T would make each rank compute."""
-        return self.num_microbatches * (self.last_iteration - self.target)
+        return sum(self.count(it) for it in range(self.target + 1, self.last_iteration + 1))
 
     def rewinds_rng(self, rank: int) -> bool:
         """A survivor that keeps its live state but recomputes T+1 from zeroed gradients
@@ -160,12 +167,16 @@ def _held_for(rank: int, reports: list[RankReport], needs_buddy: list[bool],
 
 
 def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[int],
-                  replica_of: list[int], num_microbatches: int,
+                  replica_of: list[int], num_microbatches: int | Callable[[int], int],
                   mode: str = "local", sources: list[int | None] | None = None) -> RecoveryPlan:
     """See the module docstring. replica_of[r] is rank r's data-parallel rank; sources[r]
-    the data-parallel peer holding its replicated bytes (topology/replicas.py)."""
+    the data-parallel peer holding its replicated bytes (topology/replicas.py);
+    num_microbatches: per replica, the same in every iteration or a function of the
+    iteration (a batch-size schedule)."""
     if mode not in MODES:
         raise ValueError(f"replay mode {mode!r}: use one of {', '.join(MODES)}")
+    per_iteration: Callable[[int], int] = num_microbatches if callable(num_microbatches) \
+        else (lambda iteration: num_microbatches)
     world = len(reports)
     needs_buddy = [r in replaced or not reports[r].own for r in range(world)]
     target = choose_target(reports, needs_buddy, buddies, sources)
@@ -173,7 +184,7 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
     if target is None and all(rep.at_start or rep == SPARE_REPORT for rep in survivors):
         return RecoveryPlan(target=FRESH_START, restore=("fresh",) * world,
                             work=tuple({} for _ in range(world)), last_iteration=FRESH_START,
-                            refill_ward=(False,) * world, num_microbatches=num_microbatches)
+                            refill_ward=(False,) * world, num_microbatches=per_iteration(1))
     if target is None:
         lost = sorted(r for r in range(world) if needs_buddy[r])
         without = _replicas_gone(lost, reports, needs_buddy, buddies, sources)
@@ -200,7 +211,7 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
             keeps[replica_of[r]] = False
     work: list[dict[int, MicrobatchWork]] = [{} for _ in range(world)]
     if last > target:
-        first = _first_iteration(keeps, replicas, num_microbatches, mode)
+        first = _first_iteration(keeps, replicas, per_iteration(target + 1), mode)
         for r in range(world):
             work[r][target + 1] = first[replica_of[r]]
             for it in range(target + 2, last + 1):
@@ -213,9 +224,12 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
     replica_from = tuple(
         sources[r] if sources is not None and needs_buddy[r]
         and target in reports[buddies[r]].ward_partial else None for r in range(world))
+    first_count = per_iteration(target + 1)
+    counts = {it: per_iteration(it) for it in range(target + 2, last + 1)}
     return RecoveryPlan(target=target, restore=restore, work=tuple(work), last_iteration=last,
-                        refill_ward=refill, num_microbatches=num_microbatches,
-                        replica_from=replica_from)
+                        refill_ward=refill, num_microbatches=first_count,
+                        replica_from=replica_from,
+                        counts={it: n for it, n in counts.items() if n != first_count})
 
 
 def _replicas_gone(lost: list[int], reports: list[RankReport], needs_buddy: list[bool],
