@@ -462,9 +462,12 @@ def test_a_failure_during_a_batch_size_ramp_is_hot_swapped(tmp_path: Path) -> No
     the first 8 samples, then 8 (two). Kills in iteration 2's backward (batch 4) and
     iteration 3's forward (batch 8): each recovery plans with the interrupted
     iteration's own batch, every rank computes what the plan counted (check_recoveries),
-    and the run ends with the failure-free fingerprint."""
+    and the run ends with the failure-free fingerprint. With selective activation
+    recomputation (the attention's core recomputed in the backward, its dropout masks
+    drawn again: the CPU workaround recompute-rng-state)."""
     ramp = [a for i, a in enumerate(MODEL) if "--global-batch-size" not in
-            MODEL[max(i - 1, 0):i + 1]] + ["--step-batch-size-schedule", "0:4 256:8"]  # tokens
+            MODEL[max(i - 1, 0):i + 1]] + ["--step-batch-size-schedule", "0:4 256:8",  # tokens
+                                           "--recompute-granularity", "selective"]
     reference = run_job(8, [*ramp, *CPU_FLAGS], tmp_path / "reference", timeout_s=400,
                         script=MEGATRON_GPT, env=ENV)
     assert reference.ok and reference.fingerprint, reference.describe()

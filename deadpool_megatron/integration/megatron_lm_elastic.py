@@ -69,12 +69,12 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
     spread_blocked = spread_refusals(args)
     if getattr(args, "deadpool_replay", "local") == "spread" and spread_blocked:
         raise HotSwapUnsupported(
-            f"--deadpool-replay spread computes some micro-batches of an iteration in a "
-            f"schedule of their own, each loss scaled to weigh 1/N; with "
-            f"{', '.join(spread_blocked)} a part of the loss is scaled by the schedule's "
-            f"micro-batch count or by the tokens of the whole iteration, which a share of "
-            f"it does not see: drop them, or drop --deadpool-replay spread (the default, "
-            f"local, is bit-exact)")
+            f"--deadpool-replay spread runs a share of an iteration's micro-batches in a "
+            f"schedule of their own, each loss weighed 1/N; it is not supported with "
+            f"{', '.join(spread_blocked)} (losses scaled by the whole iteration's counts, "
+            f"a schedule that needs more micro-batches, or batches that change by "
+            f"iteration): drop them, or drop --deadpool-replay spread (the default, local, "
+            f"is bit-exact)")
     from deadpool_megatron.control.client import ControlClient
 
     ctl = ControlClient.from_env()  # joins the control plane now, before any group
