@@ -209,9 +209,10 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
         rep = reports[r]
         if restore[r] != "none" or not rep.grads_intact or rep.live != target:
             keeps[replica_of[r]] = False
+    first_count = per_iteration(target + 1)
     work: list[dict[int, MicrobatchWork]] = [{} for _ in range(world)]
     if last > target:
-        first = _first_iteration(keeps, replicas, per_iteration(target + 1), mode)
+        first = _first_iteration(keeps, replicas, first_count, mode)
         for r in range(world):
             work[r][target + 1] = first[replica_of[r]]
             for it in range(target + 2, last + 1):
@@ -224,7 +225,6 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
     replica_from = tuple(
         sources[r] if sources is not None and needs_buddy[r]
         and target in reports[buddies[r]].ward_partial else None for r in range(world))
-    first_count = per_iteration(target + 1)
     counts = {it: per_iteration(it) for it in range(target + 2, last + 1)}
     return RecoveryPlan(target=target, restore=restore, work=tuple(work), last_iteration=last,
                         refill_ward=refill, num_microbatches=first_count,
