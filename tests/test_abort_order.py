@@ -44,6 +44,8 @@ class _BlockedOnNccl:
     def where(self) -> str:
         return "in an NCCL kernel"
 
+    ident = None  # no thread: the progress monitor has nothing to look at
+
 
 def _sockets_now() -> frozenset[int]:
     """Inodes of this process's sockets, read here (the test must not lean on the code)."""

@@ -18,6 +18,7 @@ again, and the plan, made from what every rank then holds, still restores everyo
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import logging
@@ -67,6 +68,8 @@ class StoppableThread(Protocol):
     def stop_before_reduction(self) -> None: ...
     def join(self, timeout_s: float) -> bool: ...
     def where(self) -> str: ...
+    @property
+    def ident(self) -> int | None: ...
 
 
 class JobFlushed(Exception):
@@ -269,6 +272,23 @@ def _stop_training(member: Member, training: StoppableThread | None,
     the cut aborts the communicators, and comes before any wait for the thread (abort.py)."""
     if training is None or not training.alive():
         return True, 0
+    with _watching(member, training):
+        return _stop(member, training, lost_replica, cut)
+
+
+def _watching(member: Member, training: StoppableThread) -> contextlib.AbstractContextManager:
+    """While this thread waits for the training thread, the hang analysis is told where
+    that one is: waiting in a collective on a peer that stopped (a victim), or elsewhere.
+    This thread's own wait is no collective: CI declared the ranks waiting on a stopped
+    rank hung with it, 'blocked outside any collective', when the stop came moments before
+    another rank's failure and the wait for their iteration outlasted the progress timeout."""
+    if member.progress is None or training.ident is None:
+        return contextlib.nullcontext()
+    return member.progress.watching(training.ident)
+
+
+def _stop(member: Member, training: StoppableThread, lost_replica: bool,
+          cut: GenerationCut) -> tuple[bool, int]:
     severed = 0
     if lost_replica:
         if cut.nccl:

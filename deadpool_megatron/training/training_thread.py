@@ -219,6 +219,10 @@ class TrainingThread:
                                 or not self._thread.is_alive(), timeout_s)
             return self._parked is not None or self._ended or not self._thread.is_alive()
 
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
     def where(self) -> str:
         frame = sys._current_frames().get(self._thread.ident or -1)
         return "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "ended"
