@@ -14,7 +14,7 @@ setup: .venv/.ready
 run: .venv/.ready
 	$(PY) tools/rehearse.py
 
-# The suite but the long fault matrix (under 30 minutes on 2 cores).
+# The suite but the long fault matrix (under 20 minutes on 2 cores).
 test: .venv/.ready
 	$(PY) -m pytest tests -q -m "not fault_matrix"
 

@@ -20,6 +20,12 @@ def _run(tmp: Path, name: str, extra: list[str], iters: int = ITERS) -> JobResul
     return result
 
 
+# Megatron-LM's recommended save path: fully parallel save and load, cached save plans (the
+# second save reuses the first's).
+BEST_PRACTICE = ["--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                 "--ckpt-assume-constant-structure"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobResult]:
     tmp = tmp_path_factory.mktemp("gpt3d")
@@ -28,10 +34,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobResult]:
         "baseline": _run(tmp, "baseline", ["--log-param-changes"]),
         # Compared with the session's 8-iteration reference run of the same job.
         "short_repeat": _run(tmp, "short_repeat", [], iters=8),
-        "other_seed": _run(tmp, "other_seed", ["--seed", "4321"], iters=8),
+        # Another seed: another initialisation, so another first loss (3 iterations: the
+        # shortest run past the 2 warm-up iterations).
+        "other_seed": _run(tmp, "other_seed", ["--seed", "4321"], iters=3),
         "stopped": _run(tmp, "stopped", ["--save", str(ckpt), "--save-interval", "5",
-                                          "--exit-interval", "10"]),
-        "resumed": _run(tmp, "resumed", ["--load", str(ckpt)]),
+                                          "--exit-interval", "10", *BEST_PRACTICE]),
+        "resumed": _run(tmp, "resumed", ["--load", str(ckpt), *BEST_PRACTICE]),
     }
 
 
@@ -55,14 +63,18 @@ def test_identical_runs_have_identical_fingerprints(runs: dict[str, JobResult],
     assert runs["short_repeat"].losses == failure_free_8.losses
 
 
-def test_other_seed_changes_the_fingerprint(runs: dict[str, JobResult],
-                                            failure_free_8: JobResult) -> None:
-    assert runs["other_seed"].fingerprint not in (None, failure_free_8.fingerprint)
+def test_other_seed_changes_the_first_loss(runs: dict[str, JobResult],
+                                          failure_free_8: JobResult) -> None:
+    other, same = runs["other_seed"].losses, failure_free_8.losses
+    assert sorted(other) == [1, 2, 3] and other[1] != same[1], (other, same)
 
 
 def test_stop_after_save_and_resume_matches_uninterrupted(runs: dict[str, JobResult]) -> None:
+    """Saved at 5 and 10 (the second save reusing the first's plan), stopped at 10,
+    resumed: the uninterrupted result."""
     stopped, resumed = runs["stopped"], runs["resumed"]
     assert max(stopped.losses) == 10
+    assert "saved checkpoint at iteration 10 " in stopped.output, stopped.describe()
     assert "loaded checkpoint of iteration 10" in resumed.output
     assert min(resumed.losses) == 11 and max(resumed.losses) == ITERS
     assert resumed.fingerprint == runs["baseline"].fingerprint
@@ -70,18 +82,3 @@ def test_stop_after_save_and_resume_matches_uninterrupted(runs: dict[str, JobRes
     assert {i: resumed.losses[i] for i in range(11, ITERS + 1)} == {
         i: runs["baseline"].losses[i] for i in range(11, ITERS + 1)
     }
-
-
-def test_best_practice_checkpoints_resume_bit_exact(tmp_path: Path,
-                                                    failure_free_8: JobResult) -> None:
-    """Megatron-LM's recommended save path (fully parallel save and load, cached save
-    plans: the second save reuses the first's) resumes to the uninterrupted result."""
-    ckpt = tmp_path / "ckpt"
-    best = ["--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
-            "--ckpt-assume-constant-structure"]
-    stopped = _run(tmp_path, "stopped", ["--save", str(ckpt), "--save-interval", "2",
-                                         "--exit-interval", "4", *best], iters=8)
-    assert "saved checkpoint at iteration 4 " in stopped.output
-    resumed = _run(tmp_path, "resumed", ["--load", str(ckpt), *best], iters=8)
-    assert "loaded checkpoint of iteration 4" in resumed.output
-    assert resumed.fingerprint == failure_free_8.fingerprint
