@@ -8,6 +8,7 @@ plus the --deadpool group; launched with torchrun, or with deadpool-launch for h
 On a machine without CUDA, Megatron's CPU switches and the gloo backend are defaults.
 """
 
+# deadpool-preload: deadpool_megatron.training.megatron_main:preload
 import os
 import sys
 

@@ -196,20 +196,20 @@ def test_megatrons_train_entered_again_after_a_restore_from_the_buddy_is_bit_ide
     assert job.fingerprint == run.fingerprint, job.describe()
 
 
-def _kill_rank_when(log: Path, text: str, script: Path, rank: int, stop: threading.Event,
+def _kill_rank_when(log: Path, text: str, worker: str, stop: threading.Event,
                     killed: list[int]) -> None:
-    """SIGKILL the worker running `script` as `rank` once `text` appears in `log`."""
+    """SIGKILL the launcher's `worker` (its process name: launch/preload.py) once `text`
+    appears in `log`."""
     while not stop.wait(0.1):
         if not log.exists() or text not in log.read_text(errors="replace"):
             continue
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if str(script) in (proc.info["cmdline"] or []) and \
-                        proc.environ().get("RANK") == str(rank):
+        for proc in psutil.process_iter(["name"]):
+            if proc.info["name"] == worker:
+                try:
                     proc.kill()
                     killed.append(proc.pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
+                except psutil.NoSuchProcess:
+                    continue
         return
 
 
@@ -224,8 +224,7 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
         tmp_path / "launch" / "workers" / "epoch0" / "w0.log",  # direct, not the console's
-        "saved checkpoint from iteration       2 ", script,
-        5, stop, killed))
+        "saved checkpoint from iteration       2 ", "w5", stop, killed))
     killer.start()
     try:
         job = run_launched(["--nproc-per-node", "8", "--max-restarts", "1"],

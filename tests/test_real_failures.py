@@ -162,9 +162,9 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
         stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_workers_of(launcher.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(_workers_of(launcher.pid)) == 3, (tmp_path / "launcher.log").read_text()
+        while len(_workers_of(launcher.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the preloader, 2 workers and a spare
+        assert len(_workers_of(launcher.pid)) == 4, (tmp_path / "launcher.log").read_text()
         launcher.send_signal(signal.SIGKILL)  # the launcher alone, not its process group
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 10
@@ -180,17 +180,17 @@ def test_a_killed_launcher_leaves_no_worker(tmp_path: Path) -> None:
 
 
 def _workers_of(launcher_pid: int) -> list[int]:
-    """Live processes started by that launcher (their environment names it)."""
+    """Live processes of that launcher's process group but the launcher: its preloader and
+    the workers forked from it (launch/preload.py)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == launcher_pid:
             continue
         try:
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-            state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if f"DEADPOOL_LAUNCHER_PID={launcher_pid}".encode() in environ and state != "Z":
+        if int(fields[2]) == launcher_pid and fields[0] != "Z":  # process group, state
             found.append(int(entry))
     return found
 

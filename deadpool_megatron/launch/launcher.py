@@ -34,6 +34,7 @@ from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.console import Console, default_log_dir
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded, end_epoch
+from deadpool_megatron.launch.preload import Preloader, start_preloader
 from deadpool_megatron.launch.worker_flags import worker_flags
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
@@ -47,7 +48,8 @@ class Launcher:
     def __init__(self, cfg: LaunchConfig, script: str, script_args: Sequence[str],
                  token: str) -> None:
         self.cfg, self.token = cfg, token
-        self.cmd = [sys.executable, "-u", script, *script_args]
+        self.script = script
+        self.cmd = [sys.executable, "-u", script, *script_args]  # LocalWorkers forks cmd[2:]
         # The workers' failure domains: --deadpool-ranks-per-node if the job sets it, else
         # the launcher's (logical) hosts, passed to the workers as LOCAL_WORLD_SIZE.
         flags = self.worker = worker_flags(script_args)
@@ -65,6 +67,7 @@ class Launcher:
         self.joined_hosts: set[int] = set()  # host 0: the live hosts of the last epoch
         self._wake: int | None = None  # read end of the SIGCHLD wake-up pipe
         self._stopping = False  # SIGTERM (a scheduler's preemption or time limit)
+        self.preloader: Preloader | None = None  # forks the workers (--preload)
         self.console = Console(cfg.console, cfg.log_dir or default_log_dir(cfg.node_rank),
                                sys.stdout)
 
@@ -88,7 +91,11 @@ class Launcher:
         if self._wake is None:
             time.sleep(TICK_S)
             return
-        select.select([self._wake], [], [], TICK_S)
+        preloaded = self.preloader is not None and self.preloader.alive
+        select.select([self._wake, *([self.preloader.fileno()] if preloaded else [])], [], [],
+                      TICK_S)
+        if preloaded:
+            self.preloader.pump()  # its news read, the pipe waits for the next
         try:
             while os.read(self._wake, 512):
                 pass
@@ -98,7 +105,8 @@ class Launcher:
     def _workers(self, epoch: int) -> LocalWorkers:
         store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
-                            self.ranks_per_node, epoch, self.console.open_epoch(epoch))
+                            self.ranks_per_node, epoch, self.console.open_epoch(epoch),
+                            preloader=self.preloader)
 
     def _worker_port(self, epoch: int) -> int:
         """The store port the workers rendezvous on. With --deadpool, the control plane's
@@ -124,9 +132,15 @@ class Launcher:
 
     def run(self) -> int:
         self.console.start()
+        # It imports while the control plane comes up; CUDA does not survive a fork.
+        if self.cfg.preload == "auto" and torch.cuda.device_count() == 0:
+            self.preloader = start_preloader(
+                self.script, os.path.join(self.console.log_dir, "preload.log"))
         try:
             return self._run()
         finally:
+            if self.preloader is not None:
+                self.preloader.close()
             self.console.close()
 
     def _run(self) -> int:

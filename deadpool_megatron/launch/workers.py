@@ -28,6 +28,7 @@ from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.child import die_with_parent
 from deadpool_megatron.launch.config import LaunchConfig
+from deadpool_megatron.launch.preload import PreloadedProcess, PreloadError, Preloader
 
 log = logging.getLogger("deadpool_megatron.launch")
 REPORT_S = 0.2  # how often a host publishes its workers' progress (its heartbeat)
@@ -44,11 +45,12 @@ class LocalWorkers:
 
     def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: SignedStore,
                  master_port: int, ranks_per_node: int, epoch: int, log_dir: str,
-                 follow_s: float = REPORT_S) -> None:
+                 follow_s: float = REPORT_S, preloader: Preloader | None = None) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
+        self.preloader = preloader  # forks the workers, if the host has one (launch/preload.py)
         self.log_dir = log_dir  # each worker's output: log_dir/<worker>.log (launch/console.py)
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | PreloadedProcess] = {}
         self.reported: set[str] = set()
         self._kills_seen = 0
         self._kill_at: dict[str, float] = {}
@@ -64,7 +66,8 @@ class LocalWorkers:
         self._die_with_us = die_with_parent()
 
     def _env(self, worker: str, rank: int | None, slot: int) -> dict[str, str]:
-        env = {**os.environ, "MASTER_ADDR": self.cfg.master_addr,
+        """What this worker's environment adds to the launcher's."""
+        env = {"MASTER_ADDR": self.cfg.master_addr,
                "MASTER_PORT": str(self.master_port), "WORLD_SIZE": str(self.cfg.world_size),
                "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "GROUP_RANK": str(self.cfg.node_rank),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "DEADPOOL_WORKER_ID": worker,
@@ -89,11 +92,23 @@ class LocalWorkers:
         return spares
 
     def _start(self, worker: str, rank: int | None, slot: int) -> None:
+        own = self._env(worker, rank, slot)
+        env = {**os.environ, **own}
         # Into a file, not a pipe: a worker never waits for the launcher to read its output.
-        with open(os.path.join(self.log_dir, f"{worker}.log"), "ab") as out:
-            proc = subprocess.Popen(self.cmd, env=self._env(worker, rank, slot),
-                                    stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, preexec_fn=self._die_with_us)
+        path = os.path.join(self.log_dir, f"{worker}.log")
+        proc: subprocess.Popen | PreloadedProcess | None = None
+        if self.preloader is not None:
+            try:
+                proc = self.preloader.spawn(self.cmd[2:], env, path, worker, own)
+            except PreloadError as err:
+                log.warning("deadpool-launch: the preloader cannot start %s (%s): workers "
+                            "start with a fresh interpreter", worker, err)
+                self.preloader = None
+        if proc is None:
+            with open(path, "ab") as out:
+                proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=subprocess.STDOUT,
+                                        preexec_fn=self._die_with_us)
         # Workers run one step below the launcher's priority: on a host whose cores the
         # training saturates, the control plane that turns a death into a declaration
         # must not queue behind it (any user may lower a child's priority).

@@ -30,11 +30,14 @@ class WheelTreeError(RuntimeError):
     """The wheel's megatron package cannot be laid out as a patched tree; says why."""
 
 
-def installed_megatron() -> Path:
-    """The directory of the installed megatron package (found without importing it)."""
+def installed_megatron(trees: Path | None = None) -> Path:
+    """The directory of the installed megatron package (found without importing it; not a
+    patched tree under `trees`, where megatron may come from once imported)."""
     spec = importlib.util.find_spec("megatron")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
+        if trees is not None and Path(location).resolve().is_relative_to(trees.resolve()):
+            continue
         if (Path(location) / "training" / "training.py").is_file():
             return Path(location)
     raise WheelTreeError("no megatron package with megatron/training found: install "
@@ -57,8 +60,8 @@ def tree_name(package: Path) -> str:
 
 def patched_tree(root: Path | None = None) -> Path:
     """The patched tree (the directory holding megatron/), made if it is not there yet."""
-    package = installed_megatron()
     root = root or cache_root()
+    package = installed_megatron(root)
     tree = root / tree_name(package)
     if (tree / "megatron").is_dir():
         return tree
@@ -119,9 +122,13 @@ class _locked:
 
 
 def use_patched_tree(root: Path | None = None) -> Path:
-    """Put the patched tree first on sys.path; before anything imported megatron."""
+    """Put the patched tree first on sys.path; before anything imported megatron, or after
+    this very call imported it from the tree (the preloader's, launch/preload.py)."""
     if "megatron" in sys.modules:
         loaded = list(getattr(sys.modules["megatron"], "__path__", []))
+        tree = patched_tree(root)
+        if str(tree) in sys.path and loaded and Path(loaded[0]) == tree / "megatron":
+            return tree
         raise WheelTreeError(f"megatron was imported before the patched tree was put in "
                              f"place (from {loaded}): call use_patched_tree() first")
     tree = patched_tree(root)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from deadpool_megatron.control.sockets import store_server
+from deadpool_megatron.launch.preload import PreloadedProcess, PreloadError, start_preloader
 
 REPO = Path(__file__).resolve().parents[2]
 # The reduced loop (a test fixture): most jobs of the suite; Megatron-LM's loop is
@@ -88,7 +89,7 @@ class JobResult:
         return "\n".join(parts)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen | PreloadedProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -100,7 +101,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 300.0,
-            script: Path = PRETRAIN_GPT, env: dict[str, str] | None = None) -> JobResult:
+            script: Path = PRETRAIN_GPT, env: dict[str, str] | None = None,
+            preload: bool = True) -> JobResult:
     """Run `script args` as ranks 0..nproc-1; kill all of them on failure or timeout."""
     log_dir.mkdir(parents=True, exist_ok=True)
     store = store_server("127.0.0.1", 0, timeout_s, world_size=nproc + 1)
@@ -110,17 +112,30 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
         "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
         "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
     })
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | PreloadedProcess] = []
     files = []
     start = time.monotonic()
     timed_out = False
+    # The ranks fork from one process that imported torch and Megatron-Core (as under
+    # deadpool-launch, launch/preload.py), each in its own session as before.
+    preloader = start_preloader(str(script), str(log_dir / "preload.log"), base_env,
+                                str(REPO)) if preload else None
     try:
         for rank in range(nproc):
-            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            f = open(log_dir / f"rank{rank}.log", "w")
+            own = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+            path = log_dir / f"rank{rank}.log"
+            path.write_bytes(b"")
+            if preloader is not None:
+                try:
+                    procs.append(preloader.spawn([str(script), *args], {**base_env, **own},
+                                                 str(path), f"rank{rank}", own, session=True))
+                    continue
+                except PreloadError:
+                    preloader = None
+            f = open(path, "w")
             files.append(f)
             procs.append(subprocess.Popen(
-                [sys.executable, str(script), *args], env=rank_env, stdout=f,
+                [sys.executable, "-u", str(script), *args], env={**base_env, **own}, stdout=f,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 cwd=str(REPO),
             ))
@@ -142,6 +157,8 @@ def run_job(nproc: int, args: Sequence[str], log_dir: Path, timeout_s: float = 3
                 _kill_group(p)
         for f in files:
             f.close()
+        if preloader is not None:
+            preloader.close()
         del store
     logs = {r: (log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(nproc)}
     return JobResult(

@@ -97,3 +97,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = [sys.argv[0], *argv, *added]
     run()
     return 0
+
+
+def preload() -> None:
+    """What deadpool-launch's preloader imports for this script's workers on a machine
+    without CUDA (launch/preload.py; the script names this function): main()'s imports, the
+    patched tree's megatron first."""
+    from deadpool_megatron.patching.wheel_tree import use_patched_tree
+    from deadpool_megatron.rehearsal import prepare_megatron_import
+    from deadpool_megatron.rehearsal.imports import provide_typing_override
+
+    prepare_megatron_import(True)  # as integration/megatron_gpt.py's cpu_rehearsal() does
+    provide_typing_override()
+    use_patched_tree()
+    import megatron.core  # noqa: F401
+    import megatron.training  # noqa: F401
