@@ -75,6 +75,8 @@ def _send(fd: int, message: dict[str, Any]) -> None:
             data = data[os.write(fd, data):]
         except InterruptedError:
             continue
+        except BrokenPipeError:
+            return  # the launcher is gone: nobody to tell, and the children must live on
 
 
 def _reap(status_fd: int) -> None:
@@ -100,12 +102,13 @@ def serve(request_fd: int, status_fd: int) -> dict[str, Any] | None:
     while True:
         _reap(status_fd)
         if not open_:
-            try:
-                os.waitpid(-1, 0)  # the launcher is done: wait for the last children
+            try:  # the launcher is done: wait for the last children, reporting each
+                pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
                 return None
             except InterruptedError:
-                pass
+                continue
+            _send(status_fd, {"pid": pid, "rc": os.waitstatus_to_exitcode(status)})
             continue
         try:
             ready, _, _ = select.select([request_fd, wake_r], [], [], 1.0)
