@@ -129,6 +129,14 @@ class SignedStore:
                        hashlib.sha256).hexdigest()[:32]
         return f"{key}/{tag}"
 
+    def set_once(self, key: str, value: str) -> str | None:
+        """Set `key` to `value` unless it is set; returns the payload it then holds (the
+        first value set wins, so every caller reads the same one). One request: torch's
+        compare_set sets a key that does not exist when it expects the empty value."""
+        signed = sign(self.token, self.prefix + key, value.encode())
+        payload = self._verified(key, self.store.compare_set(key, "", signed))
+        return None if payload is None else payload.decode()
+
     def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """`read` of keys that exist (one round trip)."""
         return [self._verified(k, v) for k, v in zip(keys, self.store.multi_get(list(keys)))]

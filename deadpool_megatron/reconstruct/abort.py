@@ -58,12 +58,15 @@ def abort_communicators() -> None:
 @dataclass
 class GenerationCut:
     """Cuts one broken generation: NCCL communicators aborted (once) before anything
-    waits, then its connections opened since `older` was taken, but the control plane's."""
+    waits, then its connections opened since `older` was taken, but the control plane's
+    and, until `cut_spared`, those of the groups this rank may keep (`spared`, keep.py)."""
 
     keep_ports: set[int]
     older: frozenset[int]
     nccl: bool
     aborted: bool = False
+    spared: frozenset[int] = frozenset()
+    spared_cut: bool = False
 
     def __call__(self) -> int:
         """Cut now (again: a connection still being set up at the last cut may hold a
@@ -71,4 +74,9 @@ class GenerationCut:
         if self.nccl and not self.aborted:
             self.aborted = True
             abort_communicators()
-        return sever_connections(self.keep_ports, self.older)
+        return sever_connections(self.keep_ports, self.older | self.spared)
+
+    def cut_spared(self) -> None:
+        """The thread would not stop: the kept groups' connections go too (none is kept)."""
+        if self.spared:
+            self.spared, self.spared_cut = frozenset(), True

@@ -8,9 +8,11 @@ by --deadpool-audit-groups: no kept object may still reach one).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
+from deadpool_megatron.reconstruct.keep import Detached, creating, detach
 from deadpool_megatron.reconstruct.rebind import (GroupKey, MegatronGlobals, NotWalked,
                                                   group_mapping, group_registry,
                                                   rebind_groups, stale_references)
@@ -31,6 +33,11 @@ class GroupBinding(NotWalked):
     registry: dict[GroupKey, Any] = field(default_factory=dict)  # the groups they hold
     retired: list[Any] = field(default_factory=list)  # broken generations', unreleased
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
+    # --deadpool-keep-groups (keep.py): each group's sockets (by id), and the groups kept
+    # from the broken generation until the next one's initialisation asks for them.
+    sockets: dict[int, frozenset[int]] = field(default_factory=dict)
+    handed: dict[GroupKey, Detached] = field(default_factory=dict)
+    kept: list[GroupKey] = field(default_factory=list)  # the last recovery's
 
     def adopt(self, spare: bool, generation: int) -> None:
         """Objects just built: a spare's hold its local world's groups (every one of them,
@@ -45,12 +52,40 @@ class GroupBinding(NotWalked):
         the last rebind, for a generation that had formed, named too)."""
         if self.bound == generation:
             self.registry = kept_groups()
+        self.kept = []
         self.retired += list(self.registry.values())
+
+    def keep(self, keys: set[GroupKey]) -> None:
+        """These groups of the broken generation outlive it (keep.py): out of torch's world
+        and of the retired ones, until the next generation asks for them."""
+        self.kept = sorted(keys)
+        for key in self.kept:
+            pg = self.registry[key]
+            self.handed[key] = detach(pg)
+            self.retired = [old for old in self.retired if old is not pg]
+
+    def drop_handed(self) -> None:
+        """The kept groups not asked for (or cut while a generation formed) are retired."""
+        self.retired += [held.pg for held in self.handed.values()]
+        self.handed.clear()
+
+    @contextlib.contextmanager
+    def creating(self, rank: int) -> Iterator[None]:
+        """While a generation's groups are made: the kept ones handed back, the new ones'
+        sockets recorded."""
+        try:
+            with creating(rank, self.handed, self.sockets):
+                yield
+        finally:
+            self.drop_handed()
 
     def rebind(self, objects: Any, generation: int) -> int:
         """Swap `generation`'s groups, just made, into `objects` and Megatron's globals;
         returns the references replaced."""
         new = kept_groups()
+        moved = [key for key in self.kept if new.get(key) is not self.registry.get(key)]
+        if moved:
+            raise RuntimeError(f"kept groups not handed back as the same objects: {moved[:3]}")
         replaced = rebind_groups([objects, self.megatron_globals],
                                  group_mapping(self.registry, new))
         self.registry, self.bound = new, generation

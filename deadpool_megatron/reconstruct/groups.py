@@ -7,10 +7,11 @@ confused with the new one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -86,9 +87,11 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                     make_groups: Callable[[timedelta], None] | None = None,
                     laps: Callable[[str], None] = lambda name: None,
                     on_store: Callable[[GenerationStore], None] = lambda store: None,
-                    after_default_group: Callable[[], None] = lambda: None) -> bool:
+                    after_default_group: Callable[[], None] = lambda: None,
+                    creating: Callable[[], ContextManager] = contextlib.nullcontext) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group
-    (`make_groups(timeout)`, by default ours for `cfg`).
+    (`make_groups(timeout)`, by default ours for `cfg`), made inside `creating()` (the
+    groups kept from the last generation handed back: keep.py).
 
     False if a newer generation was declared while waiting (a failure during recovery).
     The groups are created with a timeout of at most REBUILD_TIMEOUT_S (a peer that died
@@ -110,10 +113,11 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                             world_size=world_size, timeout=rebuild)
     laps("default_group")
     after_default_group()
-    if make_groups is not None:
-        make_groups(rebuild)
-    else:
-        init_megatron_groups(cfg, timeout=rebuild)
+    with creating():
+        if make_groups is not None:
+            make_groups(rebuild)
+        else:
+            init_megatron_groups(cfg, timeout=rebuild)
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(job_timeout, group)
     laps("megatron_groups")

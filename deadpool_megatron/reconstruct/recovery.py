@@ -44,8 +44,9 @@ from deadpool_megatron.metrics.memory import PeakRss
 from deadpool_megatron.reconstruct.abort import GenerationCut
 from deadpool_megatron.reconstruct.groups import (join_generation, forget_groups,
                                                   open_connections, socket_inodes)
+from deadpool_megatron.reconstruct import keep
 from deadpool_megatron.reconstruct.binding import REPLICA_FETCH_GROUP, GroupBinding
-from deadpool_megatron.reconstruct.rebind import NotWalked
+from deadpool_megatron.reconstruct.rebind import GroupKey, NotWalked
 from deadpool_megatron.replay.ledger import MicrobatchLedger
 from deadpool_megatron.replay.plan import (FRESH_START, SPARE_REPORT, MicrobatchWork,
                                            RankReport, RecoveryPlan, plan_recovery)
@@ -57,6 +58,7 @@ from deadpool_megatron.topology.replicas import replica_sources
 log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
 RECUT_S = 0.05  # while a thread stops, connections are cut again this often
+KEEP_PATIENCE_S = 1.0  # a thread still running this long after the cut: no group is kept
 RELEASE_WAIT_S = 5.0  # an old generation's group still held after this is reported
 
 
@@ -122,10 +124,29 @@ class Member(NotWalked):
     # loop's own checkpoints (Megatron-LM's --load).
     flushes_snapshots: bool = True
 
-    def cut(self) -> GenerationCut:
-        """How this generation is cut loose (its NCCL communicators, its connections)."""
+    def cut(self, spared: frozenset[int] = frozenset()) -> GenerationCut:
+        """How this generation is cut loose (its NCCL communicators, its connections but
+        `spared`: those of the groups it may keep)."""
         return GenerationCut({self.ctl.port}, self.sockets_before or frozenset(),
-                             nccl=self.cfg.distributed_backend == "nccl")
+                             nccl=self.cfg.distributed_backend == "nccl", spared=spared)
+
+    def creating_groups(self) -> contextlib.AbstractContextManager:
+        """Around the making of a generation's groups (kept ones handed back: keep.py)."""
+        if not self.ft.deadpool_keep_groups:
+            return contextlib.nullcontext()
+        return self.groups.creating(self.rank)
+
+    def keepable(self, replaced: set[int], lost_replica: bool,
+                 flushing: bool) -> dict[GroupKey, tuple[Any, bool]]:
+        """The groups whose members all belong to replicas that lost nothing, each with
+        whether this rank can keep it (its connections known and open): every member of
+        such a group names it, so every member reports on it (keep.py)."""
+        if not self.ft.deadpool_keep_groups or lost_replica or flushing \
+                or not self.keeps_replicas:
+            return {}
+        lost = {self.replica_of(r) for r in replaced}
+        return keep.candidates(self.groups.registry, self.groups.sockets,
+                               lambda r: self.replica_of(r) not in lost)
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -214,7 +235,8 @@ def leave(member: Member, training: StoppableThread | None,
     member.groups.retire(member.generation)
     laps("declared")
     member.stamp("recovery")
-    cut = member.cut()
+    keepable = member.keepable(replaced, lost_replica, flushing)
+    cut = member.cut(keep.spared(keepable, member.groups.sockets))
     stopped, severed = _stop_training(member, training, lost_replica, cut)
     laps("stopped")
     member.stamp("recovery")
@@ -241,6 +263,13 @@ def leave(member: Member, training: StoppableThread | None,
                              f"being cut ({severed} cut; still open: {open_connections()}), "
                              f"at:\n{where}")
     laps("worker")
+    if keepable:
+        member.groups.keep(keep.agree(ctl.store, generation, keepable, member.groups.sockets,
+                                      broken=cut.spared_cut))
+        laps("agreed")
+        log.info("rank %d: %d of the %d groups within intact replicas kept: %s", member.rank,
+                 len(member.groups.kept), len(keepable),
+                 ", ".join(key[0] for key in member.groups.kept) or "none")
     forget_groups()
     laps("dropped")
     member.events.emit("abort", generation=member.generation, severed=severed,
@@ -313,11 +342,15 @@ def _stop(member: Member, training: StoppableThread, lost_replica: bool,
 def _join_cutting(training: StoppableThread, severed: int,
                   cut: GenerationCut) -> tuple[bool, int]:
     """Wait for the stopping thread, cutting again every RECUT_S: a connection that was
-    still being set up at the first cut (not yet connected, so not cut) can hold it."""
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    still being set up at the first cut (not yet connected, so not cut) can hold it. After
+    KEEP_PATIENCE_S the connections of the groups it might have kept are cut too."""
+    start = time.monotonic()
+    deadline = start + STOP_TIMEOUT_S
     while training.alive() and time.monotonic() < deadline:
         if training.join(RECUT_S):
             break
+        if time.monotonic() > start + KEEP_PATIENCE_S:
+            cut.cut_spared()
         severed += cut()
     return not training.alive(), severed
 
@@ -337,7 +370,9 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
                            member.make_groups, laps,
                            on_store=lambda store: setattr(member, "gen_store", store),
                            after_default_group=lambda: member.injector.fire("groups",
-                                                                            generation)):
+                                                                            generation),
+                           creating=member.creating_groups):
+        member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
     member.engine.connect()
     laps("snapshot_group")
@@ -512,7 +547,8 @@ def enter(member: Member, generation: int, t0: float, rebuild: Callable[[], None
             0, plan.last_iteration - _durable_iteration(member.cfg)),
         kept_grads=bool(plan.work[rank].get(plan.target + 1) is not None
                         and plan.work[rank][plan.target + 1].keep_grads),
-        kept_objects=member.objects_kept(), phases_ms=lap.ms, **memory)
+        kept_objects=member.objects_kept(), groups_kept=len(member.groups.kept),
+        phases_ms=lap.ms, **memory)
     if rank == 0:
         kept = sum(1 for r in range(member.world) if plan.restore[r] == "none")
         log.info("recovery: generation %d formed (groups in %.0f ms); snapshot %d; %d ranks "

@@ -1,0 +1,217 @@
+"""Groups kept across a recovery (--deadpool-keep-groups, gloo): a group that no replaced
+rank belongs to, and that every member left idle and even, is handed to the next generation
+as it is, so that only the groups the failure touched are made again.
+
+When a group is safe to keep. A gloo group is its members' TCP pairs: it may outlive the cut
+only if none of them was cut, and if every member has issued as many operations on it (its
+sequence number, which gloo counts for collectives and point-to-point alike): then every
+operation one member began, every other began too, and each completes on the pairs left
+whole. An operation some members issued and others never will (the reduction barrier that
+an intact replica waits in for a replica that stopped) would pair with the next
+generation's first one, so such a group is dropped. Which groups:
+- candidates: groups of ranks that are all in replicas that lost nothing (their threads run
+  the iteration's micro-batches to the end and stop before the reduction, without a cut);
+  their sockets, known from their creation, are spared by the cut;
+- a member whose thread would not stop until its spared sockets were cut too reports its
+  candidates broken;
+- each candidate's verdict is agreed in the control-plane store: every member adds its
+  sequence number (or -1, broken) and its square; the last to report checks that all were
+  equal and sets the verdict; a member that waits too long sets "drop" instead (the first
+  verdict set wins: every member reads the same one). Key names carry a tag of the job
+  token (SignedStore.secret_name): no process without it can skew the sums;
+- a kept group is taken out of torch's world before the old generation is forgotten (which
+  aborts every group it knows), and handed back, under the name its position in the new
+  generation's creation order gives it, when Megatron's initialisation asks for it
+  (`creating`); a barrier on it then waits for whatever it still had in flight.
+
+NCCL: not kept (refused with --deadpool-keep-groups): a thread blocked on an NCCL kernel is
+freed only by aborting communicators, which the cut does before anything can tell the idle
+ones from the others, and an aborted communicator cannot be used again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from deadpool_megatron.control.sockets import socket_fd_inodes
+from deadpool_megatron.reconstruct.rebind import GroupKey
+
+log = logging.getLogger("deadpool_megatron.reconstruct")
+AGREE_TIMEOUT_S = 10.0  # a member that has not reported by then: its groups are dropped
+BROKEN = -1
+OURS = "DEADPOOL_"  # our own groups (snapshot pairs): made again with their pipeline
+
+
+@dataclass
+class Detached:
+    """A kept group out of torch's world, waiting for the next generation to ask for it."""
+
+    pg: Any
+    backend: str
+    config: str
+    ranks: dict[int, int]
+
+
+def group_sockets() -> frozenset[int]:
+    return frozenset(inode for _, inode in socket_fd_inodes())
+
+
+def connected(inodes: frozenset[int]) -> int:
+    """How many of these sockets are TCP connections still open both ways."""
+    import os
+    import socket
+
+    count = 0
+    for fd, inode in socket_fd_inodes():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            try:
+                sock.getpeername()
+            except OSError:
+                continue
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    continue  # the peer shut it down
+            except BlockingIOError:
+                pass
+            except OSError:
+                continue
+            count += 1
+    return count
+
+
+def candidates(registry: dict[GroupKey, Any], sockets: dict[int, frozenset[int]],
+               intact: Callable[[int], bool]) -> dict[GroupKey, tuple[Any, bool]]:
+    """The groups of two ranks or more all in replicas that lost nothing (every member
+    names the same ones), each with whether this rank can keep it: its connections, one
+    per other member, all known and open."""
+    found = {}
+    for key, pg in registry.items():
+        ranks = key[1]
+        if key[0].startswith(OURS) or len(ranks) < 2 or not all(intact(r) for r in ranks):
+            continue
+        inodes = sockets.get(id(pg))
+        found[key] = (pg, inodes is not None and connected(inodes) == len(ranks) - 1)
+    return found
+
+
+def spared(mine: dict[GroupKey, tuple[Any, bool]],
+           sockets: dict[int, frozenset[int]]) -> frozenset[int]:
+    """The sockets the cut leaves open: those of the groups this rank may keep."""
+    return frozenset().union(*(sockets[id(pg)] for pg, ok in mine.values() if ok))
+
+
+def _name(generation: int, key: GroupKey) -> str:
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    return f"dp/gen{generation}/keep/{digest}"
+
+
+def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
+          sockets: dict[int, frozenset[int]], broken: bool,
+          timeout_s: float = AGREE_TIMEOUT_S) -> set[GroupKey]:
+    """The candidates every member keeps (see the module's docstring); `store` is the
+    worker's SignedStore; `broken`: this rank's spared sockets were cut after all. Every
+    member of a candidate reaches the same verdict."""
+    verdict_of: dict[GroupKey, str] = {}
+    pending: dict[GroupKey, str] = {}
+    for key, (pg, ok) in mine.items():
+        base = _name(generation, key)
+        size = len(key[1])
+        whole = ok and not broken and connected(sockets[id(pg)]) == size - 1
+        seq = int(pg._get_sequence_number_for_group()) if whole else BROKEN
+        total = store.add(store.secret_name(base + "/sum"), seq)
+        squares = store.add(store.secret_name(base + "/squares"), seq * seq)
+        verdict_key = store.secret_name(base + "/verdict")
+        if store.add(store.secret_name(base + "/reported"), 1) == size:
+            total = store.add(store.secret_name(base + "/sum"), 0)
+            squares = store.add(store.secret_name(base + "/squares"), 0)
+            even = seq >= 0 and total == size * seq and squares == size * seq * seq
+            verdict_of[key] = store.set_once(verdict_key, "keep" if even else "drop")
+        else:
+            pending[key] = verdict_key
+    if pending:
+        try:
+            store.wait(list(pending.values()), timedelta(seconds=timeout_s))
+        except (dist.DistStoreError, RuntimeError):
+            pass  # some member never reported: what is still unset is dropped below
+        for key, verdict_key in pending.items():
+            verdict_of[key] = store.set_once(verdict_key, "drop")
+    return {key for key, verdict in verdict_of.items() if verdict == "keep"}
+
+
+def detach(pg: Any) -> Detached:
+    """Take `pg` out of torch's world, so that forgetting the old generation leaves it be."""
+    world = c10d._world
+    held = Detached(pg, world.pg_map[pg][0], world.pg_backend_config[pg],
+                    dict(world.pg_group_ranks[pg]))
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks,
+                  world.pg_backend_config, world.pg_to_tag, world.pg_coalesce_state):
+        table.pop(pg, None)
+    for tagged in world.tags_to_pg.values():
+        if pg in tagged:
+            tagged.remove(pg)
+    return held
+
+
+@contextlib.contextmanager
+def creating(rank: int, handed: dict[GroupKey, Detached],
+             sockets: dict[int, frozenset[int]]) -> Iterator[list[Any]]:
+    """While a generation's groups are made: a group in `handed` is given back instead of
+    made (its name the one its position gives it, as every other rank names that position);
+    every group made here with this rank is recorded with the sockets that appeared while
+    it was made. Yields the groups handed back."""
+    real = c10d._new_group_with_tag
+    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    given: list[Any] = []
+
+    def new_group_with_tag(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        if rank not in members:
+            return real(ranks, *args, **kwargs)
+        desc = kwargs.get("group_desc") or "undefined"
+        name = (desc, tuple(members))
+        ordinal = seen.get(name, 0)
+        seen[name] = ordinal + 1
+        held = handed.pop((*name, ordinal), None)
+        if held is not None and not kwargs.get("use_local_synchronization"):
+            return _hand_back(held, members, given)
+        before = group_sockets()
+        pg = real(ranks, *args, **kwargs)
+        sockets[id(pg)] = group_sockets() - before
+        return pg
+
+    c10d._new_group_with_tag = new_group_with_tag
+    try:
+        yield given
+        for pg in given:
+            dist.barrier(group=pg)  # whatever it still had in flight is done
+    finally:
+        c10d._new_group_with_tag = real
+        alive = {id(pg) for pg in c10d._world.pg_map}
+        for gone in set(sockets) - alive:
+            del sockets[gone]
+
+
+def _hand_back(held: Detached, members: list[int], given: list[Any]) -> Any:
+    name = c10d._process_group_name(members, use_hashed_name=False)
+    default_store = c10d._world.pg_map[c10d._get_default_group()][1]
+    held.pg._set_group_name(name)
+    c10d._register_pg_in_world(held.pg, backend_name=held.backend,
+                               store=dist.PrefixStore(f"{name}/", default_store),
+                               group_name=name, backend_config=held.config,
+                               rank_mapping=held.ranks)
+    given.append(held.pg)
+    return held.pg

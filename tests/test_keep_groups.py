@@ -1,0 +1,139 @@
+"""--deadpool-keep-groups (reconstruct/keep.py): a group no failure touched outlives the
+recovery as the very same object, only when every member left it idle and even; the run
+ends with the failure-free fingerprint and a clean group audit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+import pytest
+
+from conftest import GPT_3D_ARGS
+from deadpool_megatron.config import ConfigError
+from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.testing.jobs import JobResult, run_launched
+from deadpool_megatron.topology import ParallelSizes, coord_of
+from recoveries import check_recoveries
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Four gloo ranks: groups a={0,1}, b={2,3}, c={0,2}, d={1,3}, w=all. Generation 0 runs one
+# collective on each (rank 1 one more on `a` when asked: uneven); the agreement of a's two
+# members in the store, then a new world in which a is handed back where agreed.
+_SCRIPT = r'''
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from torch.distributed import distributed_c10d as c10d
+from deadpool_megatron.control.auth import SignedStore
+from deadpool_megatron.reconstruct import keep
+rank, port, uneven = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+sockets, handed = {}, {}
+def generation(g):
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"g{g}/", raw), rank=rank,
+                            world_size=4)
+    with keep.creating(rank, handed, sockets):
+        return {d: dist.new_group(r, group_desc=d) for d, r in
+                [("a", [0, 1]), ("b", [2, 3]), ("c", [0, 2]), ("d", [1, 3]), ("w", [0, 1, 2, 3])]}
+old = generation(0)
+mine = {d: pg for d, pg in old.items() if pg != dist.GroupMember.NON_GROUP_MEMBER}
+for pg in mine.values():
+    dist.all_reduce(torch.ones(1), group=pg)
+if uneven and rank in (0, 1):  # an operation rank 0 issues and rank 1 never does
+    work = dist.all_reduce(torch.ones(1), group=mine["a"], async_op=True) if rank == 0 else None
+kept = set()
+if rank in (0, 1):
+    key = ("a", (0, 1), 0)
+    store = SignedStore(raw, "token", "t/")
+    kept = keep.agree(store, 1, {key: (mine["a"], True)}, sockets, broken=False, timeout_s=20)
+    if kept:
+        handed[key] = keep.detach(mine["a"])
+if uneven and rank == 1:  # what rank 0 waits for, so that its process can end
+    dist.all_reduce(torch.ones(1), group=mine["a"])
+c10d._abort_process_group(c10d._get_default_group())
+new = generation(1)
+if rank in (0, 1):
+    print(f"rank {rank} kept={bool(kept)} same={new['a'] is old['a']}", flush=True)
+t = torch.full((1,), float(rank + 1))
+for pg in (new["a"], new["w"]) if rank in (0, 1) else (new["w"],):
+    dist.all_reduce(t, group=pg)
+print(f"rank {rank} sum={t.item()}", flush=True)
+'''
+
+
+def _four_ranks(tmp_path: Path, uneven: bool) -> list[str]:
+    script = tmp_path / "keep.py"
+    script.write_text(_SCRIPT)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))  # an OS-chosen port: no race
+    port = server.port
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port),
+                               "1" if uneven else "0"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    return outs
+
+
+@pytest.mark.multiproc
+def test_an_even_group_is_handed_back_as_the_same_object(tmp_path: Path) -> None:
+    outs = _four_ranks(tmp_path, uneven=False)
+    assert "rank 0 kept=True same=True" in outs[0] and "rank 1 kept=True same=True" in outs[1]
+    # 1 + 2 = 3 on a for ranks 0 and 1; then 3 + 3 + 3 + 4 = 13 on w, everywhere
+    assert all("sum=13.0" in out for out in outs), outs
+
+
+@pytest.mark.multiproc
+def test_an_uneven_group_is_dropped_by_both_members(tmp_path: Path) -> None:
+    outs = _four_ranks(tmp_path, uneven=True)
+    assert "rank 0 kept=False same=False" in outs[0], outs[0]
+    assert "rank 1 kept=False same=False" in outs[1], outs[1]
+    assert all("sum=13.0" in out for out in outs), outs  # the new a made, and working
+
+
+def test_keep_groups_refused_with_nccl() -> None:
+    ft = DeadPoolConfig(deadpool=True, deadpool_keep_groups=True, deadpool_ranks_per_node=4)
+    with pytest.raises(ConfigError, match="needs the gloo backend"):
+        ft.validate(8, "nccl")
+    ft.validate(8, "gloo")
+
+
+def _events(prefix: Path) -> list[dict]:
+    out = []
+    for path in prefix.parent.glob(prefix.name + ".rank*"):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["t"])
+
+
+@pytest.mark.multiproc
+def test_intact_replica_keeps_its_groups_bit_exact(tmp_path: Path,
+                                                   failure_free_8: JobResult) -> None:
+    events = tmp_path / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", "8", "--deadpool", "--deadpool-events",
+            str(events), "--deadpool-audit-groups", "--deadpool-keep-groups",
+            "--deadpool-inject", "kill rank=5 iter=4 phase=backward"]
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
+    run = run_launched(launch, args, tmp_path, timeout_s=400,
+                       env={"DEADPOOL_CONTROL_TIMEOUT_S": "90"})
+    recovered = check_recoveries(run, _events(events), failure_free_8.fingerprint, 1)
+    sizes = ParallelSizes.from_world(8, 2, 2)
+    lost = coord_of(5, sizes).dp
+    for e in recovered:
+        intact = coord_of(e["rank"], sizes).dp != lost
+        # An intact replica's ranks keep every group within it (tensor, pipeline,
+        # model-parallel, embedding...); the lost replica's ranks keep none.
+        assert (e["groups_kept"] > 0) == intact, (e, run.describe())
