@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -187,17 +188,49 @@ def test_an_id_never_written_is_skipped_after_the_grace() -> None:
 
 # -- real jobs -----------------------------------------------------------------------------
 class Outside:
-    """deadpool-inject runs, as an operator would type them, once the job is up."""
+    """deadpool-inject runs, as operators would type them, each in a terminal of its own,
+    all started once the job's control plane is up; results in the commands' order.
+    `armed` is set once every command has ended or, with --after-iteration, connected and
+    begun to wait (it says so): a job held until then (run_hosts' `hold`) cannot outrun
+    them, however slowly they start."""
 
     def __init__(self, token: Path, commands: list[list[str]]) -> None:
         self.token, self.commands = token, commands
         self.results: list[subprocess.CompletedProcess] = []
+        self.armed = threading.Event()
 
     def __call__(self, port: int) -> None:
-        for command in self.commands:
-            self.results.append(subprocess.run(
-                [*INJECT, "--master-port", str(port), "--timeout", "20", "--wait-timeout",
-                 "200", *command], capture_output=True, text=True, timeout=240, cwd=REPO))
+        procs = [subprocess.Popen(
+            [*INJECT, "--master-port", str(port), "--timeout", "20", "--wait-timeout", "200",
+             *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+            for command in self.commands]
+        errors: list[list[str]] = [[] for _ in procs]
+        ready = [threading.Event() for _ in procs]
+
+        def read(i: int) -> None:
+            for line in procs[i].stderr:
+                errors[i].append(line)
+                if "waiting for iteration" in line:
+                    ready[i].set()
+            ready[i].set()  # ended
+
+        readers = [threading.Thread(target=read, args=(i,), daemon=True)
+                   for i in range(len(procs))]
+        for t in readers:
+            t.start()
+        try:
+            for r in ready:
+                r.wait(240)
+            self.armed.set()
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+            for t in readers:
+                t.join(10)
+        self.results = [subprocess.CompletedProcess(p.args, p.returncode, out, "".join(err))
+                        for p, out, err in zip(procs, outs, errors)]
 
     def describe(self) -> str:
         return "\n".join(f"rc={r.returncode} {r.args[2:]}\n{r.stdout}{r.stderr[-2000:]}"
@@ -230,17 +263,28 @@ def _single_host(tmp: Path, commands: list[list[str]], spares: int = 2
 
 @pytest.mark.multiproc
 def test_inject_by_rank_into_a_running_job(tmp_path: Path, failure_free_8: JobResult) -> None:
-    """SIGKILL of rank 5's worker by its launcher, at once, once iteration 3 is reached;
-    the bad requests before it are refused with what to change, and change nothing."""
+    """SIGKILL of rank 5's worker by its launcher (host 1's), at once, once iteration 3 is
+    reached; the bad requests, while the job starts, are refused with what to change, and
+    change nothing. Host 1 is launched once the requests are in (bad ones answered, the
+    kill waiting for iteration 3): the job cannot end before they come, however slowly
+    they start on a loaded machine."""
     wrong = tmp_path / "wrong.token"
     wrong.write_text("0" * 64)
     wrong.chmod(0o600)
-    run, outside, events = _single_host(tmp_path / "job", [
-        ["kill rank=9"],  # these three while the job starts (iterations take ~0.3 s)
+    tmp = tmp_path / "job"
+    tmp.mkdir()
+    token = job_token_file(tmp)
+    outside = Outside(token, [["--job-token-file", str(token), *c] for c in [
+        ["kill rank=9"],
         ["kill colour=1"],
         ["kill rank=1", "--job-token-file", str(wrong)],
         ["--after-iteration", "3", "kill rank=5"],
-    ])
+    ]])
+    events = tmp / "events"
+    common = ["--nproc-per-node", "4", "--job-token-file", str(token)]
+    run = run_hosts([[*common, "--spares", "2"], [*common, "--spares", "0"]], _args(events),
+                    tmp, timeout_s=400, env=ENV, on_port=outside, hold=outside.armed)
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
     r = outside.results
     assert [x.returncode for x in r] == [2, 2, 2, 0], outside.describe()
     assert "rank 9 >= world size 8" in r[0].stderr

@@ -175,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.replay:
                 return _replay(job, args, log)
             if args.after_iteration:
+                print(f"deadpool-inject: connected to the job at {job.where}; waiting for "
+                      f"iteration {args.after_iteration}", file=sys.stderr, flush=True)
                 job.wait_for(args.after_iteration, args.wait_timeout)
             _inject(job, args.spec, time.monotonic(), log)
             return 0

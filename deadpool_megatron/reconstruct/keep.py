@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -41,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from deadpool_megatron.control.sockets import socket_fd_inodes
+from deadpool_megatron.control.sockets import fd_names, new_socket_inodes, socket_fd_inodes
 from deadpool_megatron.reconstruct.rebind import GroupKey
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
@@ -60,18 +62,18 @@ class Detached:
     ranks: dict[int, int]
 
 
-def group_sockets() -> frozenset[int]:
-    return frozenset(inode for _, inode in socket_fd_inodes())
+def open_sockets() -> dict[int, int]:
+    """This process's sockets now: inode -> fd."""
+    return {inode: fd for fd, inode in socket_fd_inodes()}
 
 
-def connected(inodes: frozenset[int]) -> int:
-    """How many of these sockets are TCP connections still open both ways."""
-    import os
-    import socket
-
+def connected(inodes: frozenset[int], table: dict[int, int]) -> int:
+    """How many of these sockets (`table`: open_sockets()) are TCP connections still open
+    both ways."""
     count = 0
-    for fd, inode in socket_fd_inodes():
-        if inode not in inodes:
+    for inode in inodes:
+        fd = table.get(inode)
+        if fd is None:
             continue
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -98,13 +100,13 @@ def candidates(registry: dict[GroupKey, Any], sockets: dict[int, frozenset[int]]
     """The groups of two ranks or more all in replicas that lost nothing (every member
     names the same ones), each with whether this rank can keep it: its connections, one
     per other member, all known and open."""
-    found = {}
+    found, table = {}, open_sockets()
     for key, pg in registry.items():
         ranks = key[1]
         if key[0].startswith(OURS) or len(ranks) < 2 or not all(intact(r) for r in ranks):
             continue
         inodes = sockets.get(id(pg))
-        found[key] = (pg, inodes is not None and connected(inodes) == len(ranks) - 1)
+        found[key] = (pg, inodes is not None and connected(inodes, table) == len(ranks) - 1)
     return found
 
 
@@ -127,10 +129,11 @@ def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
     member of a candidate reaches the same verdict."""
     verdict_of: dict[GroupKey, str] = {}
     pending: dict[GroupKey, str] = {}
+    table = open_sockets()
     for key, (pg, ok) in mine.items():
         base = _name(generation, key)
         size = len(key[1])
-        whole = ok and not broken and connected(sockets[id(pg)]) == size - 1
+        whole = ok and not broken and connected(sockets[id(pg)], table) == size - 1
         seq = int(pg._get_sequence_number_for_group()) if whole else BROKEN
         total = store.add(store.secret_name(base + "/sum"), seq)
         squares = store.add(store.secret_name(base + "/squares"), seq * seq)
@@ -188,9 +191,11 @@ def creating(rank: int, handed: dict[GroupKey, Detached],
         held = handed.pop((*name, ordinal), None)
         if held is not None and not kwargs.get("use_local_synchronization"):
             return _hand_back(held, members, given)
-        before = group_sockets()
+        before = fd_names()
         pg = real(ranks, *args, **kwargs)
-        sockets[id(pg)] = group_sockets() - before
+        # A socket missed (its fd number reused meanwhile) only leaves the group unkept:
+        # it must have one connection per other member (`candidates`).
+        sockets[id(pg)] = new_socket_inodes(before)
         return pg
 
     c10d._new_group_with_tag = new_group_with_tag

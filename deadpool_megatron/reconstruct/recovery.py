@@ -58,7 +58,7 @@ from deadpool_megatron.topology.replicas import replica_sources
 log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
 RECUT_S = 0.05  # while a thread stops, connections are cut again this often
-KEEP_PATIENCE_S = 1.0  # a thread still running this long after the cut: no group is kept
+KEEP_PATIENCE_S = 0.25  # a thread still running this long after the cut: no group is kept
 RELEASE_WAIT_S = 5.0  # an old generation's group still held after this is reported
 
 
@@ -236,7 +236,10 @@ def leave(member: Member, training: StoppableThread | None,
     laps("declared")
     member.stamp("recovery")
     keepable = member.keepable(replaced, lost_replica, flushing)
-    cut = member.cut(keep.spared(keepable, member.groups.sockets))
+    # A thread past the reduction's start may wait in any group: nothing is spared, so the
+    # cut frees it at once; this rank then reports every keepable group broken.
+    past = member.ledger.past_reduction_start()
+    cut = member.cut(frozenset() if past else keep.spared(keepable, member.groups.sockets))
     stopped, severed = _stop_training(member, training, lost_replica, cut)
     laps("stopped")
     member.stamp("recovery")
@@ -265,7 +268,7 @@ def leave(member: Member, training: StoppableThread | None,
     laps("worker")
     if keepable:
         member.groups.keep(keep.agree(ctl.store, generation, keepable, member.groups.sockets,
-                                      broken=cut.spared_cut))
+                                      broken=past or cut.spared_cut))
         laps("agreed")
         log.info("rank %d: %d of the %d groups within intact replicas kept: %s", member.rank,
                  len(member.groups.kept), len(keepable),

@@ -67,6 +67,12 @@ class MicrobatchLedger(TrainingHooks):
         when a step began and did not complete (they may be partly updated)."""
         return None if self.entry is not None and self.entry.stepping else state.iteration
 
+    def past_reduction_start(self) -> bool:
+        """The running iteration's reduction (or step) began: this rank's thread may be in
+        any group's operation, not only its replica's (recovery's kept groups)."""
+        e = self.entry
+        return e is not None and (e.reducing or e.stepping)
+
     def grads_intact(self, state: LoopState) -> bool:
         """The buffers hold the running iteration's micro-batches, all, unreduced."""
         e = self.entry

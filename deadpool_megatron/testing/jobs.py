@@ -216,7 +216,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
               kill_host: tuple[int, str, float] | None = None,
               freeze_host: tuple[int, str, str] | None = None,
               term_host: tuple[int, str] | None = None,
-              on_port: Callable[[int], None] | None = None) -> JobResult:
+              on_port: Callable[[int], None] | None = None,
+              hold: threading.Event | None = None) -> JobResult:
     """One deadpool-launch per simulated host on this machine, as under Slurm: host 0 picks
     a free control-plane port, which the others are then given (no free-port race).
     logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
@@ -227,8 +228,10 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     term_host=(h, text): SIGTERM to host h's launcher and workers when `text` appears in its
     log (a scheduler stopping the job). on_port(port): called in a thread of its own once
     host 0 printed its control-plane port (e.g. to inject faults from outside with
-    deadpool-inject; it must bound its own waits). Every launcher is killed, with its
-    workers, at the deadline."""
+    deadpool-inject; it must bound its own waits). hold: hosts 1.. are launched only once
+    it is set (or at the deadline): the job cannot train before (generation 0 needs every
+    host), so what on_port does first is certain to come before the job's first iteration.
+    Every launcher is killed, with its workers, at the deadline."""
     log_dir.mkdir(parents=True, exist_ok=True)
     run_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
     paths = [log_dir / ("launcher.log" if len(hosts) == 1 else f"host{h}.log")
@@ -265,11 +268,13 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
                 timed_out = procs[0].poll() is None
                 break
             time.sleep(0.05)
-        for h in range(1, len(hosts) if port else 0):
-            launch(h, [*multi, "--node-rank", str(h), "--master-port", port])
         if on_port is not None and port is not None:
             outside = threading.Thread(target=on_port, args=(int(port),), daemon=True)
             outside.start()
+        if hold is not None and port is not None:
+            hold.wait(max(0.0, deadline - time.monotonic()))
+        for h in range(1, len(hosts) if port else 0):
+            launch(h, [*multi, "--node-rank", str(h), "--master-port", port])
         while any(p.poll() is None for p in procs) and not timed_out:
             if time.monotonic() > deadline:
                 timed_out = True
