@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 # collective on each (rank 1 one more on `a` when asked: uneven); the agreement of a's two
 # members in the store, then a new world in which a is handed back where agreed.
 _SCRIPT = r'''
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from datetime import timedelta
 from torch.distributed import distributed_c10d as c10d
 from deadpool_megatron.control.auth import SignedStore
@@ -64,6 +64,11 @@ t = torch.full((1,), float(rank + 1))
 for pg in (new["a"], new["w"]) if rank in (0, 1) else (new["w"],):
     dist.all_reduce(t, group=pg)
 print(f"rank {rank} sum={t.item()}", flush=True)
+dist.destroy_process_group()
+# Not what this tests: the teardown of gloo's threads in groups aborted above, which a
+# worker leaves to its release thread (recovery.py); at interpreter exit their destructors
+# may run without it (std::terminate, seen once in six runs).
+os._exit(0)
 '''
 
 
@@ -129,11 +134,22 @@ def test_intact_replica_keeps_its_groups_bit_exact(tmp_path: Path,
     launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
     run = run_launched(launch, args, tmp_path, timeout_s=400,
                        env={"DEADPOOL_CONTROL_TIMEOUT_S": "90"})
-    recovered = check_recoveries(run, _events(events), failure_free_8.fingerprint, 1)
+    ev = _events(events)
+    recovered = check_recoveries(run, ev, failure_free_8.fingerprint, 1)
     sizes = ParallelSizes.from_world(8, 2, 2)
     lost = coord_of(5, sizes).dp
+    kept = {e["rank"]: e["kept_groups"] for e in ev if e["event"] == "abort"}
+    assert sorted(kept) == [0, 1, 2, 3, 4, 6, 7], kept  # every survivor left, the spare not
     for e in recovered:
-        intact = coord_of(e["rank"], sizes).dp != lost
-        # An intact replica's ranks keep every group within it (tensor, pipeline,
-        # model-parallel, embedding...); the lost replica's ranks keep none.
-        assert (e["groups_kept"] > 0) == intact, (e, run.describe())
+        assert e["groups_kept"] == len(kept.get(e["rank"], [])), e
+    for rank, groups in kept.items():
+        descs = {desc for desc, _ in groups}
+        assert all(5 not in ranks for _, ranks in groups), (rank, groups)
+        assert not any(desc.startswith("DEADPOOL_") for desc in descs)  # ours: made again
+        if rank != 7:  # its data-parallel peer is the replaced rank
+            assert "DATA_PARALLEL_GROUP_WITH_CP" in descs, (rank, groups)
+        if coord_of(rank, sizes).dp != lost:  # within a replica that lost nothing
+            assert "TENSOR_MODEL_PARALLEL_GROUP" in descs, (rank, groups)
+        else:  # the lost replica's own groups were cut: its ranks keep only wider ones
+            assert all(len({coord_of(r, sizes).dp for r in ranks}) > 1
+                       for _, ranks in groups), (rank, groups)

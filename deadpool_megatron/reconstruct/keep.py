@@ -50,6 +50,7 @@ log = logging.getLogger("deadpool_megatron.reconstruct")
 AGREE_TIMEOUT_S = 10.0  # a member that has not reported by then: its groups are dropped
 BROKEN = -1
 OURS = "DEADPOOL_"  # our own groups (snapshot pairs): made again with their pipeline
+BARRIER = OURS + "REDUCTION_BARRIER"
 
 
 @dataclass
@@ -95,16 +96,50 @@ def connected(inodes: frozenset[int], table: dict[int, int]) -> int:
     return count
 
 
+def make_barrier_group() -> None:
+    """The reduction barrier's own group (this rank's data-parallel peers, made by them
+    alone): a failure leaves the group the barrier waits in uneven (the replicas that lost
+    nothing wait in it for one that stopped), so it must not be the one the gradients are
+    reduced in, which then stays even and is kept. Ours: made again every generation."""
+    from megatron.core import parallel_state as ps
+
+    ranks = dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
+    if len(ranks) > 1:
+        dist.new_group(sorted(ranks), use_local_synchronization=True, group_desc=BARRIER)
+
+
+def barrier_group() -> Any:
+    """This generation's reduction-barrier group (make_barrier_group)."""
+    found = next((pg for pg in c10d._world.pg_map if pg.group_desc == BARRIER), None)
+    if found is None:  # never the default group in its place: that would wait for all
+        raise RuntimeError("no reduction-barrier group in this generation")
+    return found
+
+
+def keepable(key: GroupKey, replaced: set[int], replica_of: Callable[[int], int],
+             lost: set[int]) -> bool:
+    """A group that may outlive the recovery: of two ranks or more, none replaced, not
+    ours, and either across replicas (idle in forward and backward: the data-parallel
+    ones, the reduction barrier being elsewhere) or within replicas that lost nothing
+    (`lost`: the replicas that did). Every member of a group answers alike."""
+    desc, ranks = key[0], key[1]
+    if desc.startswith(OURS) or len(ranks) < 2 or replaced & set(ranks):
+        return False
+    replicas = {replica_of(r) for r in ranks}
+    return len(replicas) > 1 or not replicas & lost
+
+
 def candidates(registry: dict[GroupKey, Any], sockets: dict[int, frozenset[int]],
-               intact: Callable[[int], bool]) -> dict[GroupKey, tuple[Any, bool]]:
-    """The groups of two ranks or more all in replicas that lost nothing (every member
-    names the same ones), each with whether this rank can keep it: its connections, one
-    per other member, all known and open."""
+               replaced: set[int], replica_of: Callable[[int], int]
+               ) -> dict[GroupKey, tuple[Any, bool]]:
+    """This rank's keepable groups, each with whether this rank can keep it: its
+    connections, one per other member, all known and open."""
+    lost = {replica_of(r) for r in replaced}
     found, table = {}, open_sockets()
     for key, pg in registry.items():
-        ranks = key[1]
-        if key[0].startswith(OURS) or len(ranks) < 2 or not all(intact(r) for r in ranks):
+        if not keepable(key, replaced, replica_of, lost):
             continue
+        ranks = key[1]
         inodes = sockets.get(id(pg))
         found[key] = (pg, inodes is not None and connected(inodes, table) == len(ranks) - 1)
     return found

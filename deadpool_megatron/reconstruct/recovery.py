@@ -136,17 +136,14 @@ class Member(NotWalked):
             return contextlib.nullcontext()
         return self.groups.creating(self.rank)
 
-    def keepable(self, replaced: set[int], lost_replica: bool,
-                 flushing: bool) -> dict[GroupKey, tuple[Any, bool]]:
-        """The groups whose members all belong to replicas that lost nothing, each with
-        whether this rank can keep it (its connections known and open): every member of
-        such a group names it, so every member reports on it (keep.py)."""
-        if not self.ft.deadpool_keep_groups or lost_replica or flushing \
-                or not self.keeps_replicas:
+    def keepable(self, replaced: set[int], flushing: bool) -> dict[GroupKey, tuple[Any, bool]]:
+        """The groups this rank may keep (keep.keepable), each with whether it can (its
+        connections known and open): every member of such a group names it, so every
+        member reports on it."""
+        if not self.ft.deadpool_keep_groups or flushing or not self.keeps_replicas:
             return {}
-        lost = {self.replica_of(r) for r in replaced}
-        return keep.candidates(self.groups.registry, self.groups.sockets,
-                               lambda r: self.replica_of(r) not in lost)
+        return keep.candidates(self.groups.registry, self.groups.sockets, replaced,
+                               self.replica_of)
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -235,7 +232,7 @@ def leave(member: Member, training: StoppableThread | None,
     member.groups.retire(member.generation)
     laps("declared")
     member.stamp("recovery")
-    keepable = member.keepable(replaced, lost_replica, flushing)
+    keepable = member.keepable(replaced, flushing)
     # A thread past the reduction's start may wait in any group: nothing is spared, so the
     # cut frees it at once; this rank then reports every keepable group broken.
     past = member.ledger.past_reduction_start()
@@ -270,13 +267,14 @@ def leave(member: Member, training: StoppableThread | None,
         member.groups.keep(keep.agree(ctl.store, generation, keepable, member.groups.sockets,
                                       broken=past or cut.spared_cut))
         laps("agreed")
-        log.info("rank %d: %d of the %d groups within intact replicas kept: %s", member.rank,
+        log.info("rank %d: %d of its %d keepable groups kept: %s", member.rank,
                  len(member.groups.kept), len(keepable),
                  ", ".join(key[0] for key in member.groups.kept) or "none")
     forget_groups()
     laps("dropped")
     member.events.emit("abort", generation=member.generation, severed=severed,
-                       thread_stopped=stopped, lost_replica=lost_replica, laps_ms=laps.ms)
+                       thread_stopped=stopped, lost_replica=lost_replica, laps_ms=laps.ms,
+                       kept_groups=[[key[0], list(key[1])] for key in member.groups.kept])
     member.events.emit("left_generation", generation=member.generation, next=generation)
     return generation
 
@@ -377,6 +375,8 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
                            creating=member.creating_groups):
         member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
+    if member.ft.deadpool_keep_groups:
+        keep.make_barrier_group()
     member.engine.connect()
     laps("snapshot_group")
     member.ctl.prepare_connection()  # the next generation's, in the background
