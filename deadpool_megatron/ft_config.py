@@ -81,31 +81,30 @@ class DeadPoolConfig:
         default=False,
         metadata=flag("After each recovery, check that no live object holds an old group."),
     )
-    deadpool_keep_groups: bool = field(
+    deadpool_remake_groups: bool = field(
         default=False,
-        metadata=flag("Keep, across a recovery, every group whose members all belong to "
-                      "replicas that lost nothing and left it idle and even (agreed in the "
-                      "store); only the others are made again (gloo only; see "
-                      "reconstruct/keep.py)."),
+        metadata=flag("Make every process group again at every recovery, as NCCL always "
+                      "does. By default gloo keeps each group that no failure touched and "
+                      "that every member left idle and even (reconstruct/keep.py)."),
     )
+
+    def keeps_groups(self, backend: str) -> bool:
+        """Groups outlive a recovery (reconstruct/keep.py): gloo only; NCCL's communicators
+        blocked on a dead peer can only be aborted (docs/DESIGN.md)."""
+        return backend == "gloo" and not self.deadpool_remake_groups
 
     def ranks_per_node(self, world_size: int) -> int:
         if self.deadpool_ranks_per_node is not None:
             return self.deadpool_ranks_per_node
         return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
-    def validate(self, world_size: int, backend: str = "gloo") -> None:
+    def validate(self, world_size: int) -> None:
         if not self.deadpool:
             used = [f for f in ("deadpool_inject", "deadpool_verify_restore_at")
                     if getattr(self, f)]
             if used:
                 raise ConfigError(f"--{used[0].replace('_', '-')} needs --deadpool")
             return
-        if self.deadpool_keep_groups and backend != "gloo":
-            raise ConfigError(f"--deadpool-keep-groups needs the gloo backend, not {backend}: "
-                              f"a thread blocked on an NCCL kernel is freed only by aborting "
-                              f"its communicators, before any can be told idle, and an "
-                              f"aborted communicator cannot be used again; leave the flag out")
         if self.deadpool_snapshot_interval <= 0:
             raise ConfigError("--deadpool-snapshot-interval must be positive, got "
                               f"{self.deadpool_snapshot_interval}")

@@ -25,6 +25,7 @@ TP2_DP4[TP2_DP4.index("--pipeline-model-parallel-size") + 1] = "1"
 
 def _launch(tmp: Path, args: list[str], faults: list[str],
             spares: int) -> tuple[JobResult, list[dict]]:
+    """The job with every fault of `faults`, one after another (each taken by a spare)."""
     events = tmp / "events"
     # Small chunks: a sender killed after its first chunk leaves a torn copy.
     args = [*args, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events", str(events),
@@ -61,6 +62,10 @@ def test_every_point_of_an_iteration_3d_distributed_optimizer(
     # gradients of iteration 1 and recomputes nothing.
     assert {e["restored"] for e in by_gen[1]} == {0}
     assert {e["rank"] for e in by_gen[1] if e["kept_grads"]} == {2, 3, 6, 7}
+    # ... and every survivor kept some groups (reconstruct/keep.py); after a reduction had
+    # begun (generations 3 and 4), none.
+    assert all(e["groups_kept"] > 0 for e in by_gen[1] if e["rank"] != 5), by_gen[1]
+    assert not any(e["groups_kept"] for g in (3, 4) for e in by_gen[g])
     # Snapshot 2 torn on rank 2's buddy: back to 1 from each rank's own copy, iteration 2 redone.
     assert {e["restored"] for e in by_gen[2]} == {1}
     # A reduction that had begun is never trusted: both replicas recompute iteration 5.
@@ -71,13 +76,15 @@ def test_every_point_of_an_iteration_3d_distributed_optimizer(
 
 
 def test_every_point_tp2_dp4_plain_optimizer(tmp_path: Path, tp2_dp4_reference: str) -> None:
+    """Also the way NCCL recovers, every group made again (--deadpool-remake-groups)."""
     faults = ["kill rank=3 iter=1 phase=snapshot",  # snapshot 1 in flight: back to the start
               "kill rank=4 iter=4 phase=backward wait=commit",  # three replicas keep their grads
               "kill rank=7 iter=6 phase=forward",
               "kill rank=0 iter=7 phase=reduction",
               "kill rank=5 iter=8 phase=optimizer"]
-    run, events = _launch(tmp_path, TP2_DP4, faults, spares=5)
+    run, events = _launch(tmp_path, [*TP2_DP4, "--deadpool-remake-groups"], faults, spares=5)
     recovered = check_recoveries(run, events, tp2_dp4_reference, count=5)
+    assert not any(e["groups_kept"] for e in recovered)
     second = [e for e in recovered if e["generation"] == 2]
     assert {e["rank"] for e in second if e["kept_grads"]} == {0, 1, 2, 3, 6, 7}
     assert {e["rank"]: e["microbatches_recomputed"] for e in second if not e["kept_grads"]} \

@@ -1,5 +1,5 @@
-"""--deadpool-keep-groups (reconstruct/keep.py): a group no failure touched outlives the
-recovery as the very same object, only when every member left it idle and even; the run
+"""Groups kept across a recovery (reconstruct/keep.py): a group no failure touched outlives
+the recovery as the very same object, only when every member left it idle and even; the run
 ends with the failure-free fingerprint and a clean group audit."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch.distributed as dist
 import pytest
 
 from conftest import GPT_3D_ARGS
-from deadpool_megatron.config import ConfigError
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.testing.jobs import JobResult, run_launched
 from deadpool_megatron.topology import ParallelSizes, coord_of
@@ -110,11 +109,10 @@ def test_an_uneven_group_is_dropped_by_both_members(tmp_path: Path) -> None:
     assert all("sum=13.0" in out for out in outs), outs  # the new a made, and working
 
 
-def test_keep_groups_refused_with_nccl() -> None:
-    ft = DeadPoolConfig(deadpool=True, deadpool_keep_groups=True, deadpool_ranks_per_node=4)
-    with pytest.raises(ConfigError, match="needs the gloo backend"):
-        ft.validate(8, "nccl")
-    ft.validate(8, "gloo")
+def test_groups_are_kept_with_gloo_unless_told_otherwise() -> None:
+    assert DeadPoolConfig(deadpool=True).keeps_groups("gloo")
+    assert not DeadPoolConfig(deadpool=True).keeps_groups("nccl")  # every group made again
+    assert not DeadPoolConfig(deadpool=True, deadpool_remake_groups=True).keeps_groups("gloo")
 
 
 def _events(prefix: Path) -> list[dict]:
@@ -129,7 +127,7 @@ def test_intact_replica_keeps_its_groups_bit_exact(tmp_path: Path,
                                                    failure_free_8: JobResult) -> None:
     events = tmp_path / "events"
     args = [*GPT_3D_ARGS, "--train-iters", "8", "--deadpool", "--deadpool-events",
-            str(events), "--deadpool-audit-groups", "--deadpool-keep-groups",
+            str(events), "--deadpool-audit-groups",
             "--deadpool-inject", "kill rank=5 iter=4 phase=backward"]
     launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
     run = run_launched(launch, args, tmp_path, timeout_s=400,
@@ -153,3 +151,46 @@ def test_intact_replica_keeps_its_groups_bit_exact(tmp_path: Path,
         else:  # the lost replica's own groups were cut: its ranks keep only wider ones
             assert all(len({coord_of(r, sizes).dp for r in ranks}) > 1
                        for _, ranks in groups), (rank, groups)
+
+
+def test_at_16384_ranks_only_the_replaced_ranks_replica_and_dp_group_make_groups() -> None:
+    """The policy alone (keep.keepable, no processes), TP 8 x PP 16 x DP 128: of the
+    tensor-, pipeline-, data- and model-parallel groups, those made again after rank 1,000
+    is replaced are its own and its replica's; the ranks that make any (our barrier groups
+    aside) are its replica's 128 and its data-parallel group's 128 (one in both): 255 of
+    16,384."""
+    from deadpool_megatron.reconstruct.keep import keepable
+    from deadpool_megatron.topology import group_members
+
+    sizes = ParallelSizes.from_world(16384, 8, 16)
+    replaced = {1000}
+    replica_of = lambda r: coord_of(r, sizes).dp  # noqa: E731
+
+    def groups() -> set[tuple[str, tuple[int, ...], int]]:
+        found = set()
+        for first in range(sizes.world_size):
+            c = coord_of(first, sizes)
+            if c.tp == 0:
+                found.add(("TENSOR_MODEL_PARALLEL_GROUP",
+                           tuple(group_members(first, sizes, "tp")), 0))
+            if c.dp == 0:
+                found.add(("DATA_PARALLEL_GROUP_WITH_CP",
+                           tuple(group_members(first, sizes, "dp")), 0))
+            if c.pp == 0:
+                found.add(("PIPELINE_MODEL_PARALLEL_GROUP",
+                           tuple(group_members(first, sizes, "pp")), 0))
+            if c.tp == 0 and c.pp == 0:
+                found.add(("MODEL_PARALLEL_GROUP", tuple(sorted(
+                    r for p in group_members(first, sizes, "pp")
+                    for r in group_members(p, sizes, "tp"))), 0))
+        return found
+
+    lost = {replica_of(r) for r in replaced}
+    made = [key for key in groups() if not keepable(key, replaced, replica_of, lost)]
+    builders = {r for key in made for r in key[1]}
+    replica = {r for r in range(sizes.world_size) if replica_of(r) == replica_of(1000)}
+    assert builders == replica | set(group_members(1000, sizes, "dp"))
+    assert len(builders) == 255
+    assert not any(keepable(key, replaced, replica_of, lost) for key in made)
+    # Ours are never kept, whatever their members.
+    assert not keepable(("DEADPOOL_REDUCTION_BARRIER", (0, 8), 0), replaced, replica_of, lost)

@@ -94,8 +94,8 @@ def job_args(world: int, ns: argparse.Namespace, events: Path, ckpt: Path | None
         args += ["--deadpool-replay", ns.replay]
     if ckpt is not None:
         args += ["--save", str(ckpt), "--save-interval", str(ns.save_interval)]
-    if ns.keep_groups:
-        args += ["--deadpool-keep-groups"]
+    if ns.remake_groups:
+        args += ["--deadpool-remake-groups"]
     return args
 
 
@@ -328,8 +328,9 @@ def main() -> int:
     p.add_argument("--megatron-lm-tree", type=Path, default=None,
                    help="a Megatron-LM checkout patched with deadpool-patch: measure its own "
                         "pretrain_gpt.py (Megatron's loop) instead of ours")
-    p.add_argument("--keep-groups", action="store_true",
-                   help="run the jobs with --deadpool-keep-groups (compare with a run without)")
+    p.add_argument("--remake-groups", action="store_true",
+                   help="run the jobs with --deadpool-remake-groups (compare with a run "
+                        "without: groups kept)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--keep", type=Path, default=None,
                    help="an empty directory to keep every run's logs in (default: removed)")

@@ -306,6 +306,10 @@ class ControlClient:
                 return generation, rank
             generation = self._wait_declared_after(generation, float("inf"))
 
+    def latest_declared(self) -> int:
+        """The newest generation declared so far (the watcher thread keeps it)."""
+        return self._latest
+
     def wait_generation_after(self, generation: int) -> int:
         """Survivors after an error: block until the launcher declares a newer generation."""
         return self._wait_declared_after(generation, self.timeout_s)

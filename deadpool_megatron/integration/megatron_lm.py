@@ -81,7 +81,7 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
     """The hooks `--deadpool` adds to Megatron's loop (none without it)."""
     ft = deadpool_config(args)
     world = _world_size()
-    ft.validate(world, getattr(args, "distributed_backend", "nccl"))
+    ft.validate(world)
     if not ft.deadpool:
         return []
     if os.environ.get("DEADPOOL_WORKER_ID") is not None:

@@ -160,7 +160,7 @@ class HotSwapPretrain:
         margs = get_args()
         cfg, ft = train_config(margs), deadpool_config(margs)
         world = int(os.environ["WORLD_SIZE"])
-        ft.validate(world, margs.distributed_backend)
+        ft.validate(world)
         progress = _progress_board(ft.deadpool_progress_timeout)
         loop = MegatronLmLoop(self.pretrain, args, kwargs, margs)
         from deadpool_megatron.integration.device import ProcessDevice

@@ -33,7 +33,7 @@ class GroupBinding(NotWalked):
     registry: dict[GroupKey, Any] = field(default_factory=dict)  # the groups they hold
     retired: list[Any] = field(default_factory=list)  # broken generations', unreleased
     megatron_globals: MegatronGlobals = field(default_factory=MegatronGlobals)
-    # --deadpool-keep-groups (keep.py): each group's sockets (by id), and the groups kept
+    # Groups kept across a recovery (keep.py): each group's sockets (by id), and the groups kept
     # from the broken generation until the next one's initialisation asks for them.
     sockets: dict[int, frozenset[int]] = field(default_factory=dict)
     handed: dict[GroupKey, Detached] = field(default_factory=dict)
@@ -66,6 +66,7 @@ class GroupBinding(NotWalked):
 
     def drop_handed(self) -> None:
         """The kept groups not asked for (or cut while a generation formed) are retired."""
+        self.kept = [key for key in self.kept if key not in self.handed]
         self.retired += [held.pg for held in self.handed.values()]
         self.handed.clear()
 

@@ -1,6 +1,6 @@
-"""Groups kept across a recovery (--deadpool-keep-groups, gloo): a group that no replaced
-rank belongs to, and that every member left idle and even, is handed to the next generation
-as it is, so that only the groups the failure touched are made again.
+"""Groups kept across a recovery (gloo; --deadpool-remake-groups turns it off): a group that
+no replaced rank belongs to, and that every member left idle and even, is handed to the next
+generation as it is, so that only the groups the failure touched are made again.
 
 When a group is safe to keep. A gloo group is its members' TCP pairs: it may outlive the cut
 only if none of them was cut, and if every member has issued as many operations on it (its
@@ -24,7 +24,7 @@ generation's first one, so such a group is dropped. Which groups:
   generation's creation order gives it, when Megatron's initialisation asks for it
   (`creating`); a barrier on it then waits for whatever it still had in flight.
 
-NCCL: not kept (refused with --deadpool-keep-groups): a thread blocked on an NCCL kernel is
+NCCL: every group made again (DeadPoolConfig.keeps_groups): a thread blocked on an NCCL kernel is
 freed only by aborting communicators, which the cut does before anything can tell the idle
 ones from the others, and an aborted communicator cannot be used again.
 """
@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -48,6 +49,7 @@ from deadpool_megatron.reconstruct.rebind import GroupKey
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
 AGREE_TIMEOUT_S = 10.0  # a member that has not reported by then: its groups are dropped
+WAIT_SLICE_S = 0.1  # the wait for verdicts looks this often for a newer declaration
 BROKEN = -1
 OURS = "DEADPOOL_"  # our own groups (snapshot pairs): made again with their pipeline
 BARRIER = OURS + "REDUCTION_BARRIER"
@@ -158,10 +160,13 @@ def _name(generation: int, key: GroupKey) -> str:
 
 def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
           sockets: dict[int, frozenset[int]], broken: bool,
+          superseded: Callable[[], bool] = lambda: False,
           timeout_s: float = AGREE_TIMEOUT_S) -> set[GroupKey]:
     """The candidates every member keeps (see the module's docstring); `store` is the
     worker's SignedStore; `broken`: this rank's spared sockets were cut after all. Every
-    member of a candidate reaches the same verdict."""
+    member of a candidate reaches the same verdict. The wait for the others' reports ends
+    at `timeout_s`, or as soon as `superseded()` (a newer generation was declared: some
+    member may never report for this one)."""
     verdict_of: dict[GroupKey, str] = {}
     pending: dict[GroupKey, str] = {}
     table = open_sockets()
@@ -180,11 +185,14 @@ def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
             verdict_of[key] = store.set_once(verdict_key, "keep" if even else "drop")
         else:
             pending[key] = verdict_key
-    if pending:
+    deadline = time.monotonic() + timeout_s
+    while pending and not superseded() and time.monotonic() < deadline:
         try:
-            store.wait(list(pending.values()), timedelta(seconds=timeout_s))
+            store.wait(list(pending.values()), timedelta(seconds=WAIT_SLICE_S))
+            break
         except (dist.DistStoreError, RuntimeError):
-            pass  # some member never reported: what is still unset is dropped below
+            pass  # not all set yet
+    if pending:  # what is still unset is dropped (the first verdict set wins)
         for key, verdict_key in pending.items():
             verdict_of[key] = store.set_once(verdict_key, "drop")
     return {key for key, verdict in verdict_of.items() if verdict == "keep"}

@@ -130,9 +130,13 @@ class Member(NotWalked):
         return GenerationCut({self.ctl.port}, self.sockets_before or frozenset(),
                              nccl=self.cfg.distributed_backend == "nccl", spared=spared)
 
+    @property
+    def keeps_groups(self) -> bool:
+        return self.ft.keeps_groups(self.cfg.distributed_backend)
+
     def creating_groups(self) -> contextlib.AbstractContextManager:
         """Around the making of a generation's groups (kept ones handed back: keep.py)."""
-        if not self.ft.deadpool_keep_groups:
+        if not self.keeps_groups:
             return contextlib.nullcontext()
         return self.groups.creating(self.rank)
 
@@ -140,7 +144,7 @@ class Member(NotWalked):
         """The groups this rank may keep (keep.keepable), each with whether it can (its
         connections known and open): every member of such a group names it, so every
         member reports on it."""
-        if not self.ft.deadpool_keep_groups or flushing or not self.keeps_replicas:
+        if not self.keeps_groups or flushing or not self.keeps_replicas:
             return {}
         return keep.candidates(self.groups.registry, self.groups.sockets, replaced,
                                self.replica_of)
@@ -264,8 +268,15 @@ def leave(member: Member, training: StoppableThread | None,
                              f"at:\n{where}")
     laps("worker")
     if keepable:
-        member.groups.keep(keep.agree(ctl.store, generation, keepable, member.groups.sockets,
-                                      broken=past or cut.spared_cut))
+        # Waiting for peers' reports is no stall (a peer may still be finishing its
+        # iteration): bounded by the agreement's timeout, and cut by a newer declaration.
+        waiting = member.progress.long_operation(keep.AGREE_TIMEOUT_S) \
+            if member.progress is not None else contextlib.nullcontext()
+        with waiting:
+            kept = keep.agree(ctl.store, generation, keepable, member.groups.sockets,
+                              broken=past or cut.spared_cut,
+                              superseded=lambda: ctl.latest_declared() > generation)
+        member.groups.keep(kept)
         laps("agreed")
         log.info("rank %d: %d of its %d keepable groups kept: %s", member.rank,
                  len(member.groups.kept), len(keepable),
@@ -375,7 +386,7 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
                            creating=member.creating_groups):
         member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
-    if member.ft.deadpool_keep_groups:
+    if member.keeps_groups:
         keep.make_barrier_group()
     member.engine.connect()
     laps("snapshot_group")

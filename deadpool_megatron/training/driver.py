@@ -268,8 +268,8 @@ class IterationEvents(TrainingHooks):
 
 
 def _reduction_barrier(keep_groups: bool) -> Callable[[], None] | None:
-    """The data-parallel barrier before the reduction, in the data-parallel group or, with
-    --deadpool-keep-groups, a group of its own (reconstruct/keep.py: make_barrier_group).
+    """The data-parallel barrier before the reduction, in the data-parallel group or, where
+    groups are kept, a group of its own (reconstruct/keep.py: make_barrier_group).
     The group is looked up at each call: the generation's, after any rebind."""
     from megatron.core import parallel_state as ps
     import torch.distributed as dist
@@ -291,7 +291,7 @@ def generation_hooks(member: Member, stops: TrainingHooks, work: Work) -> list[T
     hooks: list[TrainingHooks] = [member.ledger, stops, member.injector.hooks(), member.engine]
     if member.progress is not None:
         hooks.insert(0, member.progress.hooks())
-    barrier = _reduction_barrier(member.ft.deadpool_keep_groups)
+    barrier = _reduction_barrier(member.keeps_groups)
     if barrier is not None:
         hooks.append(ReductionBarrier(barrier))
     hooks.append(IterationEvents(member, max(work) if work else None))

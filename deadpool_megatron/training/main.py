@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg.validate(world)
-        ft.validate(world, cfg.distributed_backend)
+        ft.validate(world)
     except ConfigError as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
