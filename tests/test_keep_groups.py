@@ -193,4 +193,4 @@ def test_at_16384_ranks_only_the_replaced_ranks_replica_and_dp_group_make_groups
     assert len(builders) == 255
     assert not any(keepable(key, replaced, replica_of, lost) for key in made)
     # Ours are never kept, whatever their members.
-    assert not keepable(("DEADPOOL_REDUCTION_BARRIER", (0, 8), 0), replaced, replica_of, lost)
+    assert not keepable(("DEADPOOL_SNAPSHOT_GROUP", (0, 8), 0), replaced, replica_of, lost)

@@ -76,6 +76,10 @@ class GenerationCut:
             abort_communicators()
         return sever_connections(self.keep_ports, self.older | self.spared)
 
+    def unspare(self, inodes: frozenset[int]) -> None:
+        """These connections are cut after all (a thread waits on them)."""
+        self.spared = self.spared - inodes
+
     def cut_spared(self) -> None:
         """The thread would not stop: the kept groups' connections go too (none is kept)."""
         if self.spared:

@@ -88,16 +88,19 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                     laps: Callable[[str], None] = lambda name: None,
                     on_store: Callable[[GenerationStore], None] = lambda store: None,
                     after_default_group: Callable[[], None] = lambda: None,
-                    creating: Callable[[], ContextManager] = contextlib.nullcontext) -> bool:
+                    creating: Callable[[], ContextManager] = contextlib.nullcontext,
+                    barrier_group: bool = False) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group
-    (`make_groups(timeout)`, by default ours for `cfg`), made inside `creating()` (the
-    groups kept from the last generation handed back: keep.py).
+    (`make_groups(timeout)`, by default ours for `cfg`) and, with `barrier_group`, the
+    reduction barrier's, made inside `creating()` (the groups kept from the last
+    generation handed back: keep.py).
 
     False if a newer generation was declared while waiting (a failure during recovery).
     The groups are created with a timeout of at most REBUILD_TIMEOUT_S (a peer that died
     after publishing its address is not waited for longer), then given the job's.
     """
     from deadpool_megatron.integration.distributed import init_megatron_groups
+    from deadpool_megatron.reconstruct.keep import make_barrier_group
 
     store = GenerationStore(ctl, generation)
     on_store(store)
@@ -118,6 +121,8 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
             make_groups(rebuild)
         else:
             init_megatron_groups(cfg, timeout=rebuild)
+        if barrier_group:
+            make_barrier_group()
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(job_timeout, group)
     laps("megatron_groups")

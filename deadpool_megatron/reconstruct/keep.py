@@ -52,7 +52,7 @@ AGREE_TIMEOUT_S = 10.0  # a member that has not reported by then: its groups are
 WAIT_SLICE_S = 0.1  # the wait for verdicts looks this often for a newer declaration
 BROKEN = -1
 OURS = "DEADPOOL_"  # our own groups (snapshot pairs): made again with their pipeline
-BARRIER = OURS + "REDUCTION_BARRIER"
+BARRIER = "DATA_PARALLEL_REDUCTION_BARRIER"  # keepable like any other group
 
 
 @dataclass
@@ -100,9 +100,10 @@ def connected(inodes: frozenset[int], table: dict[int, int]) -> int:
 
 def make_barrier_group() -> None:
     """The reduction barrier's own group (this rank's data-parallel peers, made by them
-    alone): a failure leaves the group the barrier waits in uneven (the replicas that lost
-    nothing wait in it for one that stopped), so it must not be the one the gradients are
-    reduced in, which then stays even and is kept. Ours: made again every generation."""
+    alone): a failure that finds the replicas that lost nothing waiting in the barrier (for
+    one that stopped) leaves that group uneven, so it must not be the one the gradients are
+    reduced in, which then stays even and is kept. The barrier's group is kept too when no
+    one was in it (the failure came before they reached it)."""
     from megatron.core import parallel_state as ps
 
     ranks = dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
@@ -110,9 +111,14 @@ def make_barrier_group() -> None:
         dist.new_group(sorted(ranks), use_local_synchronization=True, group_desc=BARRIER)
 
 
+def find_barrier_group() -> Any:
+    """This generation's reduction-barrier group (make_barrier_group), or None."""
+    return next((pg for pg in c10d._world.pg_map if pg.group_desc == BARRIER), None)
+
+
 def barrier_group() -> Any:
-    """This generation's reduction-barrier group (make_barrier_group)."""
-    found = next((pg for pg in c10d._world.pg_map if pg.group_desc == BARRIER), None)
+    """This generation's reduction-barrier group, which must exist."""
+    found = find_barrier_group()
     if found is None:  # never the default group in its place: that would wait for all
         raise RuntimeError("no reduction-barrier group in this generation")
     return found
@@ -232,8 +238,9 @@ def creating(rank: int, handed: dict[GroupKey, Detached],
         ordinal = seen.get(name, 0)
         seen[name] = ordinal + 1
         held = handed.pop((*name, ordinal), None)
-        if held is not None and not kwargs.get("use_local_synchronization"):
-            return _hand_back(held, members, given)
+        if held is not None:
+            return _hand_back(held, members, given,
+                              bool(kwargs.get("use_local_synchronization")))
         before = fd_names()
         pg = real(ranks, *args, **kwargs)
         # A socket missed (its fd number reused meanwhile) only leaves the group unkept:
@@ -253,8 +260,8 @@ def creating(rank: int, handed: dict[GroupKey, Detached],
             del sockets[gone]
 
 
-def _hand_back(held: Detached, members: list[int], given: list[Any]) -> Any:
-    name = c10d._process_group_name(members, use_hashed_name=False)
+def _hand_back(held: Detached, members: list[int], given: list[Any], hashed: bool) -> Any:
+    name = c10d._process_group_name(members, use_hashed_name=hashed)
     default_store = c10d._world.pg_map[c10d._get_default_group()][1]
     held.pg._set_group_name(name)
     c10d._register_pg_in_world(held.pg, backend_name=held.backend,

@@ -134,6 +134,14 @@ class Member(NotWalked):
     def keeps_groups(self) -> bool:
         return self.ft.keeps_groups(self.cfg.distributed_backend)
 
+    def barrier_sockets(self) -> frozenset[int]:
+        """The reduction barrier's group's sockets (none where groups are not kept)."""
+        if not self.keeps_groups:
+            return frozenset()
+        group = keep.find_barrier_group()
+        return self.groups.sockets.get(id(group), frozenset()) if group is not None \
+            else frozenset()
+
     def creating_groups(self) -> contextlib.AbstractContextManager:
         """Around the making of a generation's groups (kept ones handed back: keep.py)."""
         if not self.keeps_groups:
@@ -346,7 +354,8 @@ def _stop(member: Member, training: StoppableThread, lost_replica: bool,
             if entry is not None and entry.accumulated:
                 break  # at the barrier: waiting on replicas that will never come
             training.join(0.002)
-        if training.alive():
+        if training.alive():  # in the barrier (or the grace is over): its group is cut
+            cut.unspare(member.barrier_sockets())
             severed = cut()
     return _join_cutting(training, severed, cut)
 
@@ -383,11 +392,10 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
                            on_store=lambda store: setattr(member, "gen_store", store),
                            after_default_group=lambda: member.injector.fire("groups",
                                                                             generation),
-                           creating=member.creating_groups):
+                           creating=member.creating_groups,
+                           barrier_group=member.keeps_groups):
         member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
-    if member.keeps_groups:
-        keep.make_barrier_group()
     member.engine.connect()
     laps("snapshot_group")
     member.ctl.prepare_connection()  # the next generation's, in the background
