@@ -9,11 +9,13 @@ operation one member began, every other began too, and each completes on the pai
 whole. An operation some members issued and others never will (the reduction barrier that
 an intact replica waits in for a replica that stopped) would pair with the next
 generation's first one, so such a group is dropped. Which groups:
-- candidates: groups of ranks that are all in replicas that lost nothing (their threads run
-  the iteration's micro-batches to the end and stop before the reduction, without a cut);
-  their sockets, known from their creation, are spared by the cut;
-- a member whose thread would not stop until its spared sockets were cut too reports its
-  candidates broken;
+- candidates (`keepable`): groups with no replaced rank, either within replicas that lost
+  nothing (their threads run the iteration's micro-batches to the end and stop before the
+  reduction, without a cut) or across replicas (idle in forward and backward; the barrier
+  before the reduction waits in a group of its own); their sockets, known from their
+  creation, are spared by the cut (the barrier's only until a thread is seen in it);
+- a member whose thread would not stop until its spared sockets were cut too, or whose
+  thread was past the reduction's start, reports its candidates broken;
 - each candidate's verdict is agreed in the control-plane store: every member adds its
   sequence number (or -1, broken) and its square; the last to report checks that all were
   equal and sets the verdict; a member that waits too long sets "drop" instead (the first
@@ -24,9 +26,9 @@ generation's first one, so such a group is dropped. Which groups:
   generation's creation order gives it, when Megatron's initialisation asks for it
   (`creating`); a barrier on it then waits for whatever it still had in flight.
 
-NCCL: every group made again (DeadPoolConfig.keeps_groups): a thread blocked on an NCCL kernel is
-freed only by aborting communicators, which the cut does before anything can tell the idle
-ones from the others, and an aborted communicator cannot be used again.
+NCCL: every group made again (DeadPoolConfig.keeps_groups): a thread blocked on an NCCL
+kernel is freed only by aborting communicators, which the cut does before anything can tell
+the idle ones from the others, and an aborted communicator cannot be used again.
 """
 
 from __future__ import annotations
