@@ -247,7 +247,7 @@ def leave(member: Member, training: StoppableThread | None,
     keepable = member.keepable(replaced, flushing)
     # A thread past the reduction's start may wait in any group: nothing is spared, so the
     # cut frees it at once; this rank then reports every keepable group broken.
-    past = member.ledger.past_reduction_start()
+    past = bool(keepable) and member.ledger.past_reduction_start()
     cut = member.cut(frozenset() if past else keep.spared(keepable, member.groups.sockets))
     stopped, severed = _stop_training(member, training, lost_replica, cut)
     laps("stopped")
