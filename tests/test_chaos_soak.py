@@ -16,6 +16,22 @@ from conftest import REPO
 pytestmark = [pytest.mark.multiproc, pytest.mark.fault_matrix]
 
 
+# The launcher log's lines that tell a recovery's story (who failed, who kept what, who was
+# taken for hung), for a failure seen only in CI.
+_STORY = ("launcher]", "job]", "groups kept", "keepable groups", "leaving the job",
+          "recovery:", "is hung", "did not stop")
+
+
+def _story(out: Path) -> str:
+    log = out / "job" / "launcher.log"
+    if not log.exists():
+        return f"\n(no {log})\n"
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if any(word in line for word in _STORY) and "  File " not in line]
+    return "\n--- the launcher log, abridged ---\n" + "\n".join(
+        line[:400] for line in lines[-60:]) + "\n"
+
+
 def test_short_chaos_soak(tmp_path: Path) -> None:
     # Seed 8 draws one fault of each action (hang rank=2, kill rank=1, raise rank=3); 40
     # iterations leave room for all three and their recoveries.
@@ -24,7 +40,7 @@ def test_short_chaos_soak(tmp_path: Path) -> None:
          "3", "--mtbf", "2", "--seed", "8", "--quiet-iterations", "2", "--timeout", "400",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=REPO)
     out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-6000:]
+    assert proc.returncode == 0, out + _story(tmp_path) + proc.stderr[-4000:]
     summary = json.loads(out[out.index("{"):])
     assert summary["fingerprint_match"], summary
     assert summary["faults_injected"] == 3, summary

@@ -5,8 +5,11 @@ ends with the failure-free fingerprint and a clean group audit."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -194,3 +197,89 @@ def test_at_16384_ranks_only_the_replaced_ranks_replica_and_dp_group_make_groups
     assert not any(keepable(key, replaced, replica_of, lost) for key in made)
     # Ours are never kept, whatever their members.
     assert not keepable(("DEADPOOL_SNAPSHOT_GROUP", (0, 8), 0), replaced, replica_of, lost)
+
+
+class _Parks:
+    """A training thread that parks at its next stop point, at once."""
+
+    def __init__(self) -> None:
+        self.parked = False
+
+    def alive(self) -> bool:
+        return not self.parked
+
+    def stop_now(self) -> None:
+        self.parked = True
+
+    def stop_before_reduction(self) -> None:
+        self.parked = True
+
+    def join(self, timeout_s: float) -> bool:
+        return True
+
+    def where(self) -> str:
+        return "parked"
+
+    ident = None  # no thread: the progress monitor has nothing to look at
+
+
+def _inode(sock: socket.socket) -> int:
+    return os.fstat(sock.fileno()).st_ino
+
+
+@pytest.mark.parametrize("at_barrier", [True, False], ids=["at-the-barrier", "between"])
+def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
+                                                                  at_barrier: bool) -> None:
+    """Rank 0 of an intact replica (TP 2: ranks 0, 1; rank 3 of the other replica
+    replaced) stops. At the reduction barrier it holds its iteration whole, so no peer of
+    its replica waits on it: its keepable group's connection stays open and is reported
+    whole. Stopped between iterations, a peer already in the next one may wait on it on
+    that very connection (CI: a pipeline peer held for the whole grace, the ranks that went
+    on taken for hung): it is cut, and the group reported broken."""
+    from deadpool_megatron.config import TrainConfig
+    from deadpool_megatron.hooks import LoopState
+    from deadpool_megatron.reconstruct import keep, recovery
+    from deadpool_megatron.rehearsal import prepare_megatron_import
+    from deadpool_megatron.replay.ledger import MicrobatchLedger
+
+    prepare_megatron_import()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ctl = types.SimpleNamespace(port=1, worker="w0", wait_generation_after=lambda g: g + 1,
+                                    members=lambda g: {0: "w0", 3: "s0.0"},
+                                    replaced=lambda g: [3], flush_of=lambda g: None,
+                                    store=None, latest_declared=lambda: g + 1)
+        g = 4
+        engine = types.SimpleNamespace(abandon=lambda: None, stop_worker=lambda pipe, t: True)
+        ledger = MicrobatchLedger()
+        member = recovery.Member(
+            cfg=TrainConfig(distributed_backend="gloo", tensor_model_parallel_size=2),
+            ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=4, cpu_rehearsal=True,
+            events=types.SimpleNamespace(emit=lambda *a, **k: None), engine=engine,
+            ledger=ledger, injector=None, generation=g)
+        member.sockets_before = frozenset(_inode(s) for s in [server])
+        state = LoopState(iteration=3, consumed_samples=0, objects=None)
+        member.state = state
+        ledger.on_iteration_start(state)  # iteration 4 began ...
+        if at_barrier:
+            ledger.before_grad_reduction(state)  # ... and every micro-batch is accumulated
+        mine = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        try:
+            pg, key = object(), ("TENSOR_MODEL_PARALLEL_GROUP", (0, 1), 0)
+            member.groups.sockets = {id(pg): frozenset({_inode(mine), _inode(peer)})}
+            monkeypatch.setattr(recovery.Member, "keepable",
+                                lambda self, replaced, flushing: {key: (pg, True)})
+            reported: list[bool] = []
+            monkeypatch.setattr(keep, "agree", lambda store, gen, found, sockets, broken,
+                                superseded: reported.append(broken) or set())
+            assert recovery.leave(member, _Parks()) == g + 1
+            assert reported == [not at_barrier]
+            mine.setblocking(False)
+            if at_barrier:
+                with pytest.raises(BlockingIOError):
+                    mine.recv(1)  # open, nothing to read
+            else:
+                assert mine.recv(1) == b""  # shut down: a peer blocked on it returns
+        finally:
+            mine.close()
+            peer.close()

@@ -250,6 +250,12 @@ def leave(member: Member, training: StoppableThread | None,
     past = bool(keepable) and member.ledger.past_reduction_start()
     cut = member.cut(frozenset() if past else keep.spared(keepable, member.groups.sockets))
     stopped, severed = _stop_training(member, training, lost_replica, cut)
+    if keepable and not lost_replica and not _at_barrier(member):
+        # Its thread stopped between iterations: a replica peer already in the next one
+        # may wait on it in any group. Nothing is spared, so the cut frees that peer (a
+        # spared pipeline link held one until the grace ran out, and the ranks that went
+        # on to the rendezvous were taken for hung).
+        cut.cut_spared()
     laps("stopped")
     member.stamp("recovery")
     pipe = member.engine.abandon()
@@ -296,6 +302,12 @@ def leave(member: Member, training: StoppableThread | None,
                        kept_groups=[[key[0], list(key[1])] for key in member.groups.kept])
     member.events.emit("left_generation", generation=member.generation, next=generation)
     return generation
+
+
+def _at_barrier(member: Member) -> bool:
+    """The stopped thread holds every micro-batch of its iteration, unreduced: no peer of
+    its replica can be waiting on it."""
+    return member.state is not None and member.ledger.grads_intact(member.state)
 
 
 class _Laps:
