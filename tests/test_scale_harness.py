@@ -333,6 +333,33 @@ def test_gloo_asks_the_store_what_the_model_counts() -> None:
         assert [sum(s.requests.values()) for s in stores] == [gloo_requests(size)] * size
 
 
+def test_kept_groups_leave_a_members_share_flat_and_local() -> None:
+    """Issue 24, item 3, in the harness's accounting: Megatron's own groups at TP 8 x PP 4
+    (every rank names them all), the keep policy applied. A member's share of the groups'
+    store requests (NCCL) halves and stays flat from 1,024 to 16,384 ranks; the ranks that
+    make a group of 2 to N-1 ranks again are exactly the replaced rank's replica and its
+    pipeline stage's tensor-and-data-parallel group (found here from the coordinates)."""
+    from deadpool_megatron.scale.groups import (kept_recovery_groups, megatron_groups,
+                                                recovery_groups)
+    from deadpool_megatron.topology import ParallelSizes, coord_of
+
+    share = {}
+    for world in (1024, 16384):
+        rank = world // 2 + 3
+        groups = megatron_groups(world, 8, 4, rank=rank)
+        before = recovery_groups(world, groups.mine, 2)
+        kept = kept_recovery_groups(world, 8, 4, groups.every, rank, 2)
+        assert kept.nccl < 0.6 * before.nccl, (kept, before)
+        assert kept.groups < len(groups.mine) / 2, (kept, len(groups.mine))
+        sizes = ParallelSizes.from_world(world, 8, 4)
+        mine = coord_of(rank, sizes)
+        touched = {r for r in range(world) if coord_of(r, sizes).dp == mine.dp
+                   or coord_of(r, sizes).pp == mine.pp}
+        assert kept.builders == len(touched), (kept.builders, len(touched))
+        share[world] = kept.nccl
+    assert share[16384] <= 1.5 * share[1024], share
+
+
 def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
     """Every live worker's generation and iteration; the whole view only of a worker
     stalled half its timeout or more, stopped, or whose monitor is silent."""

@@ -9,11 +9,12 @@ operation one member began, every other began too, and each completes on the pai
 whole. An operation some members issued and others never will (the reduction barrier that
 an intact replica waits in for a replica that stopped) would pair with the next
 generation's first one, so such a group is dropped. Which groups:
-- candidates (`keepable`): groups with no replaced rank, either within replicas that lost
-  nothing (their threads run the iteration's micro-batches to the end and stop before the
-  reduction, without a cut) or across replicas (idle in forward and backward; the barrier
-  before the reduction waits in a group of its own); their sockets, known from their
-  creation, are spared by the cut (the barrier's only until a thread is seen in it);
+- candidates (`keepable`): groups with no replaced rank, either of one rank (no peer:
+  kept without asking anyone), within replicas that lost nothing (their threads run the
+  iteration's micro-batches to the end and stop before the reduction, without a cut) or
+  across replicas (idle in forward and backward; the barrier before the reduction waits
+  in a group of its own); their sockets, known from their creation, are spared by the cut
+  (the barrier's only until a thread is seen in it);
 - a member whose thread would not stop until its spared sockets were cut too, or whose
   thread was past the reduction's start, reports its candidates broken;
 - each candidate's verdict is agreed in the control-plane store: every member adds its
@@ -128,13 +129,16 @@ def barrier_group() -> Any:
 
 def keepable(key: GroupKey, replaced: set[int], replica_of: Callable[[int], int],
              lost: set[int]) -> bool:
-    """A group that may outlive the recovery: of two ranks or more, none replaced, not
-    ours, and either across replicas (idle in forward and backward: the data-parallel
-    ones, the reduction barrier being elsewhere) or within replicas that lost nothing
-    (`lost`: the replicas that did). Every member of a group answers alike."""
+    """A group that may outlive the recovery: none of its ranks replaced, not ours, and
+    either of one rank (no peer to wait on or to be uneven with), across replicas (idle
+    in forward and backward: the data-parallel ones, the reduction barrier being
+    elsewhere) or within replicas that lost nothing (`lost`: the replicas that did).
+    Every member of a group answers alike."""
     desc, ranks = key[0], key[1]
-    if desc.startswith(OURS) or len(ranks) < 2 or replaced & set(ranks):
+    if desc.startswith(OURS) or replaced & set(ranks):
         return False
+    if len(ranks) == 1:
+        return True
     replicas = {replica_of(r) for r in ranks}
     return len(replicas) > 1 or not replicas & lost
 
@@ -182,6 +186,9 @@ def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
         base = _name(generation, key)
         size = len(key[1])
         whole = ok and not broken and connected(sockets[id(pg)], table) == size - 1
+        if size == 1:  # no one to agree with
+            verdict_of[key] = "keep" if whole else "drop"
+            continue
         seq = int(pg._get_sequence_number_for_group()) if whole else BROKEN
         total = store.add(store.secret_name(base + "/sum"), seq)
         squares = store.add(store.secret_name(base + "/squares"), seq * seq)

@@ -34,7 +34,7 @@ from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.threads import cpu_seconds, thread_ids
 from deadpool_megatron.scale import placement
 from deadpool_megatron.scale.counting import CountingStore
-from deadpool_megatron.scale.groups import megatron_group_sizes, recovery_groups
+from deadpool_megatron.scale.groups import kept_recovery_groups, megatron_groups, recovery_groups
 from deadpool_megatron.scale.process import HostSpec, ProcessSpec, main as process_main
 
 # Keys whose traffic goes on whether or not anything fails (heartbeats, polls, the
@@ -105,6 +105,13 @@ class ScaleResult:
             "pg_ops_per_member_nccl": nccl,
             "pg_ops_per_member_gloo": gloo,
             "store_ops_per_member_per_recovery_gloo": control + gloo,
+            # With the groups no failure touched kept (reconstruct/keep.py: gloo today).
+            "store_ops_per_member_per_recovery_kept": control + self.groups.get("kept_nccl", 0.0),
+            "pg_ops_per_member_nccl_kept": self.groups.get("kept_nccl", 0.0),
+            "pg_ops_per_member_gloo_kept": self.groups.get("kept_gloo", 0.0),
+            "megatron_groups_per_member": self.groups.get("megatron", 0),
+            "megatron_groups_per_member_kept": self.groups.get("kept_megatron", 0.0),
+            "ranks_making_groups_kept": self.groups.get("kept_builders", 0),
             "bytes_per_member_per_recovery": med([r.bytes_per_member for r in recs]),
             "max_member_requests": max((r.max_member_requests for r in recs), default=0),
             "store_cpu_s_per_recovery": med([r.store_cpu_s for r in recs]),
@@ -367,11 +374,15 @@ def run(cfg: ScaleConfig, log: Any = print) -> ScaleResult:
             result.recoveries.append(rec)
     finally:
         harness.stop()
-    sizes = megatron_group_sizes(cfg.ranks, cfg.tp, cfg.pp, rank=cfg.ranks // 2 + 3)
+    rank = cfg.ranks // 2 + 3
+    megatron = megatron_groups(cfg.ranks, cfg.tp, cfg.pp, rank=rank)
     pairs = placement.pair_groups(cfg.ranks, cfg.ranks_per_host)
-    cost = recovery_groups(cfg.ranks, sizes, pairs)
+    cost = recovery_groups(cfg.ranks, megatron.mine, pairs)
+    kept = kept_recovery_groups(cfg.ranks, cfg.tp, cfg.pp, megatron.every, rank, pairs)
     result.groups = {"groups": cost.groups, "nccl": cost.nccl, "gloo": cost.gloo,
-                     "largest": cost.largest,
+                     "largest": cost.largest, "megatron": len(megatron.mine),
+                     "kept_megatron": kept.groups, "kept_builders": kept.builders,
+                     "kept_nccl": kept.nccl, "kept_gloo": kept.gloo,
                      "pair_calls": placement.pair_new_group_calls(cfg.ranks,
                                                                   cfg.ranks_per_host)}
     result.placement_ms = placement.timings(cfg.ranks, cfg.ranks_per_host, cfg.tp, cfg.pp)
@@ -388,6 +399,13 @@ def table(results: list[dict]) -> str:
         ("  control plane", "control_ops_per_member_per_recovery", "{:.1f}"),
         ("  process groups, NCCL", "pg_ops_per_member_nccl", "{:.1f}"),
         ("  (process groups, gloo: full mesh)", "pg_ops_per_member_gloo", "{:.0f}"),
+        ("store requests / member / recovery, groups kept",
+         "store_ops_per_member_per_recovery_kept", "{:.1f}"),
+        ("  process groups, NCCL, groups kept", "pg_ops_per_member_nccl_kept", "{:.1f}"),
+        ("  (process groups, gloo, groups kept)", "pg_ops_per_member_gloo_kept", "{:.0f}"),
+        ("Megatron groups made again / member", "megatron_groups_per_member", "{:.0f}"),
+        ("  ... groups kept (mean over members)", "megatron_groups_per_member_kept", "{:.1f}"),
+        ("  ranks making a group of 2..N-1, groups kept", "ranks_making_groups_kept", "{:.0f}"),
         ("bytes / member / recovery", "bytes_per_member_per_recovery", "{:.0f}"),
         ("host 0's store thread, CPU s / recovery", "store_cpu_s_per_recovery", "{:.2f}"),
         ("most requests of one member", "max_member_requests", "{:.0f}"),

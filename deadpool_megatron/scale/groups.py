@@ -16,12 +16,19 @@ requests, WAIT then GET, and so is a `multi_get`):
 - gloo (the CPU rehearsal), measured with a counting store (tests/test_scale_harness.py):
   one SET of the member's address, then a wait and a get per member of the group, itself
   included: 1 + 3 * size requests: a full mesh, so O(size) per member.
+
+With the groups no failure touched kept (reconstruct/keep.py: gloo today; NCCL would need a
+per-communicator abort), a member makes again only the world, its snapshot pairs and the
+Megatron groups the policy does not keep: those with the replaced rank and those within
+its replica (and the reduction barrier of its data-parallel group). Their
+share is averaged over every member, from every group Megatron makes (each rank names them
+all).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RANKS_PER_ROOT = 128  # TORCH_NCCL_RANKS_PER_ROOT's default
 
@@ -47,8 +54,17 @@ class GroupCost:
     largest: int  # the largest group's size
 
 
-def megatron_group_sizes(world: int, tp: int, pp: int, rank: int = 0) -> list[int]:
-    """The sizes of the Megatron-Core groups `rank` is in (Megatron's own code decides)."""
+@dataclass(frozen=True)
+class MegatronGroups:
+    """Megatron-Core's groups, seen from one rank: the sizes of those it is in, and every
+    group of the job (description, ranks), as every rank names them all."""
+
+    mine: list[int]
+    every: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+
+def megatron_groups(world: int, tp: int, pp: int, rank: int = 0) -> MegatronGroups:
+    """The Megatron-Core groups of a job (Megatron's own code decides)."""
     import torch.distributed as dist
 
     from deadpool_megatron.rehearsal.imports import prepare_megatron_import
@@ -58,13 +74,15 @@ def megatron_group_sizes(world: int, tp: int, pp: int, rank: int = 0) -> list[in
 
     from deadpool_megatron.reconstruct.spare import local_world
 
-    sizes: list[int] = []
+    found = MegatronGroups(mine=[])
     original = dist.new_group
 
     def new_group(ranks=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        if ranks is not None and rank not in ranks:
-            return dist.GroupMember.NON_GROUP_MEMBER  # torch: no store request either
-        sizes.append(world if ranks is None else len(ranks))
+        if ranks is not None:
+            found.every.append((str(kwargs.get("group_desc") or ""), tuple(ranks)))
+            if rank not in ranks:
+                return dist.GroupMember.NON_GROUP_MEMBER  # torch: no store request either
+        found.mine.append(world if ranks is None else len(ranks))
         return original(ranks, *args, **kwargs)
 
     with local_world(rank, world):
@@ -75,7 +93,7 @@ def megatron_group_sizes(world: int, tp: int, pp: int, rank: int = 0) -> list[in
                                          create_gloo_process_groups=False)
         finally:
             dist.new_group = original
-    return sizes
+    return found
 
 
 def recovery_groups(world: int, megatron_sizes: list[int], pair_groups: int) -> GroupCost:
@@ -85,3 +103,37 @@ def recovery_groups(world: int, megatron_sizes: list[int], pair_groups: int) -> 
     gloo = sum(gloo_requests(s) for s in sizes) + pair_groups * gloo_requests(2)
     return GroupCost(groups=len(sizes) + pair_groups, nccl=nccl, gloo=gloo,
                      largest=max(sizes))
+
+
+@dataclass(frozen=True)
+class KeptCost:
+    groups: float  # Megatron-Core groups a member makes again, averaged over the members
+    builders: int  # ranks that make a group of 2 to N-1 ranks again (every rank makes the
+    # world-sized ones again: the default group, Megatron's distributed-optimizer instance)
+    nccl: float  # store requests per member, averaged over the members, NCCL
+    gloo: float  # the same, gloo
+
+
+def kept_recovery_groups(world: int, tp: int, pp: int, every: list[tuple[str, tuple[int, ...]]],
+                         replaced: int, pair_groups: int) -> KeptCost:
+    """A member's share of the groups made again when `replaced` is and the others are
+    kept (keep.keepable)."""
+    from deadpool_megatron.reconstruct.keep import keepable
+    from deadpool_megatron.topology import ParallelSizes, coord_of, group_members
+
+    sizes = ParallelSizes.from_world(world, tp, pp)
+
+    def replica_of(r: int) -> int:
+        return coord_of(r, sizes).dp
+
+    lost = {replica_of(replaced)}
+    remade = [ranks for desc, ranks in every
+              if not keepable((desc, ranks, 0), {replaced}, replica_of, lost)]
+    remade.append(tuple(group_members(replaced, sizes, "dp")))  # the reduction barrier's
+    builders = set().union(*(set(r) for r in remade if 1 < len(r) < world))
+    nccl = nccl_share(world) + pair_groups * gloo_requests(2) + \
+        sum(len(r) * nccl_share(len(r)) for r in remade) / world
+    gloo = gloo_requests(world) + pair_groups * gloo_requests(2) + \
+        sum(len(r) * gloo_requests(len(r)) for r in remade) / world
+    return KeptCost(groups=sum(len(r) for r in remade) / world, builders=len(builders),
+                    nccl=nccl, gloo=gloo)
