@@ -209,7 +209,7 @@ class MegatronLmLoop:
         saved = margs.distributed_timeout_minutes
         margs.distributed_timeout_minutes = timeout.total_seconds() / 60
         try:
-            with _one_device_if_cpu(margs):
+            with _rehearsal_groups_if_cpu(margs):
                 _initialize_distributed(self.kwargs.get("get_embedding_ranks"),
                                         self.kwargs.get("get_position_embedding_ranks"),
                                         store=None)
@@ -379,17 +379,21 @@ def _position_after_restore(first: Any, consumed_samples: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _one_device_if_cpu(margs: argparse.Namespace) -> Any:
+def _rehearsal_groups_if_cpu(margs: argparse.Namespace) -> Any:
     """Megatron makes its groups only where it sees a CUDA device; the CPU rehearsal
-    (rehearsal/megatron_lm.py) tells it there is one, there."""
-    import torch
+    (rehearsal/megatron_lm.py) tells it there is one, there. And its groups with equal
+    members share one gloo group there (rehearsal/shared_groups.py), as in our own loop:
+    in a recovery at 8 ranks the spare made Megatron's 22 groups one after another, of 7
+    member sets, and every survivor waited for it in the world-sized one."""
+    from deadpool_megatron.rehearsal import rehearsal_needed
 
-    if torch.cuda.is_available() or margs.distributed_backend != "gloo":
+    if not rehearsal_needed(margs.distributed_backend):
         yield
         return
     from deadpool_megatron.rehearsal.megatron_lm import one_cuda_device
+    from deadpool_megatron.rehearsal.shared_groups import groups_shared_by_members
 
-    with one_cuda_device():
+    with one_cuda_device(), groups_shared_by_members():
         yield
 
 

@@ -25,6 +25,7 @@ class PeakRss:
         self.period_s = period_s
         self.steady = 0
         self.peak = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -36,12 +37,26 @@ class PeakRss:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        with self._lock:
             self.peak = max(self.peak, rss_bytes())
+
+    def training_stopped(self) -> None:
+        """What a survivor's training thread allocated between the failure and its stop
+        (the rest of its iteration: in a first iteration the process still grows by tens
+        of MB) is the training's, not the recovery's: the baseline becomes what the
+        process holds now, and the recovery's peak is counted from here."""
+        with self._lock:
+            now = rss_bytes()
+            self.steady = max(self.steady, now)
+            self.peak = now
 
     def stop(self) -> dict[str, int]:
         if self._thread is not None:
             self._stop.set()
             self._thread.join(1.0)
             self._thread = None
-        self.peak = max(self.peak, rss_bytes())
+        self._sample()
         return {"rss_steady": self.steady, "rss_peak": self.peak}

@@ -228,10 +228,11 @@ def adopt(member: Member, state: LoopState, spare: bool) -> None:
 
 # -- leave --------------------------------------------------------------------------------
 def leave(member: Member, training: StoppableThread | None,
-          keep_intact_replicas: bool = True) -> int:
+          keep_intact_replicas: bool = True, peak: PeakRss | None = None) -> int:
     """Stop the broken generation here; returns the generation to join next. Without
     `keep_intact_replicas` every rank stops at once, as in a replica that lost a rank (a
-    loop that recomputes whole iterations keeps no gradients)."""
+    loop that recomputes whole iterations keeps no gradients). `peak` is told when the
+    training thread stopped."""
     ctl = member.ctl
     laps = _Laps()
     generation = ctl.wait_generation_after(member.generation)
@@ -250,6 +251,8 @@ def leave(member: Member, training: StoppableThread | None,
     past = bool(keepable) and member.ledger.past_reduction_start()
     cut = member.cut(frozenset() if past else keep.spared(keepable, member.groups.sockets))
     stopped, severed = _stop_training(member, training, lost_replica, cut)
+    if stopped and peak is not None:
+        peak.training_stopped()
     if keepable and not lost_replica and not _at_barrier(member):
         # Its thread stopped between iterations: a replica peer already in the next one
         # may wait on it in any group. Nothing is spared, so the cut frees that peer (a
@@ -649,7 +652,8 @@ def recover(member: Member, training: StoppableThread | None,
     t0 = time.perf_counter()
     peak = PeakRss()
     peak.start()
-    generation = leave(member, training, keep_intact_replicas=member.keeps_replicas)
+    generation = leave(member, training, keep_intact_replicas=member.keeps_replicas,
+                       peak=peak)
     flush_if_asked(member, generation)
     return enter(member, generation, t0, rebuild, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})
