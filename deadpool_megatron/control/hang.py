@@ -81,6 +81,9 @@ class Verdict:
     certain: bool  # False: the culprit could not be told; these surely include it
     stalled: tuple[str, ...]
     why: dict[str, str]
+    # Every rank seen waiting in a collective, stalled or not yet: the culprit's victims
+    # cross the timeout after it when it stamped last before it stopped.
+    waiting: tuple[str, ...] = ()
 
 
 def find_hung(views: list[WorkerView], someone_building: bool = False) -> Verdict | None:
@@ -104,4 +107,5 @@ def find_hung(views: list[WorkerView], someone_building: bool = False) -> Verdic
     return Verdict(culprits=tuple(v.worker for v in culprits), certain=certain,
                    stalled=tuple(v.worker for v in stalled),
                    why={v.worker: v.why or "furthest behind, waiting in a collective"
-                        for v in culprits})
+                        for v in culprits},
+                   waiting=tuple(v.worker for v in views if v.where == IN_COLLECTIVE))

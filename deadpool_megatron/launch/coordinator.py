@@ -309,7 +309,7 @@ class Coordinator:
             return
         self.events.emit("hang_localized", culprits=list(verdict.culprits),
                          certain=verdict.certain, stalled=list(verdict.stalled),
-                         why=verdict.why)
+                         waiting=list(verdict.waiting), why=verdict.why)
         if not verdict.certain:
             log.warning("deadpool-launch: every stalled rank waits in a collective; the "
                         "culprit cannot be told: replacing the ranks furthest behind, %s",
