@@ -81,8 +81,8 @@ class Verdict:
     certain: bool  # False: the culprit could not be told; these surely include it
     stalled: tuple[str, ...]
     why: dict[str, str]
-    # Every rank seen waiting in a collective, stalled or not yet: the culprit's victims
-    # cross the timeout after it when it stamped last before it stopped.
+    # Every rank seen waiting in a collective, stalled or not yet: when the culprit's last
+    # stamp came before its victims', it crosses the timeout first, they moments later.
     waiting: tuple[str, ...] = ()
 
 
