@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
-from deadpool_megatron.integration.megatron_data import _reseated
+from deadpool_megatron.integration.megatron_data import FirstReadResets, _reseated
 
 SAMPLES, MICRO_BATCH, DP_RANK, DP_SIZE = 64, 2, 1, 2
 
@@ -74,3 +75,27 @@ def test_an_iterator_it_cannot_reuse_is_left_as_it_was() -> None:
     assert first(other, 1) == [[2, 3]]
     for it in (not_persistent, other):
         it._shutdown_workers()
+
+
+def test_a_loader_handed_running_workers_reads_them_where_it_is_moved_first() -> None:
+    """A spare's loader (integration/spare_loaders.py): iterating it resets nothing yet;
+    moved to the restored position, its first read resets the workers there."""
+    dataset = Numbers()
+    warm = iter(loader_at(dataset, 0))
+    pids = sorted(w.pid for w in warm._workers)
+    built = loader_at(dataset, 0)  # as pretrain() builds it, at sample 0
+    built._iterator = FirstReadResets(warm)
+    handed = iter(built)
+    assert isinstance(handed, FirstReadResets) and handed.pending is built
+    assert _reseated(handed, loader_at(dataset, 24))  # the recovery moves it
+    assert first(handed, 3) == first(iter(loader_at(dataset, 24, workers=0)), 3)
+    assert sorted(w.pid for w in warm._workers) == pids
+    # Read without a move, it reads where it was built.
+    again = loader_at(dataset, 8)
+    again._iterator = FirstReadResets(warm)
+    assert first(iter(again), 2) == first(iter(loader_at(dataset, 8, workers=0)), 2)
+    with pytest.raises(RuntimeError, match="cannot read its loader's batches"):
+        other = loader_at(Numbers(), 0)
+        other._iterator = FirstReadResets(warm)
+        next(iter(other))
+    warm._shutdown_workers()

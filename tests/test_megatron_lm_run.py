@@ -271,6 +271,14 @@ def _hot_swap(tmp_path: Path, script: Path, faults: list[str], spares: int,
     return job, sorted(load_events(events), key=lambda e: e["t"])
 
 
+def _spares_took_warm_loaders(tmp_path: Path) -> int:
+    """How many spares' training and validation loaders each took the workers it started
+    while it waited (integration/spare_loaders.py)."""
+    logs = [log.read_text() for log in (tmp_path / "launch" / "workers" / "epoch0").glob("s*.log")]
+    return sum(all(f"the {split} loader took the workers started ahead" in text
+                   for split in ("train", "valid")) for text in logs)
+
+
 def _spares_took(events: list[dict]) -> list[tuple[int, list[int], str]]:
     declared = [e for e in events if e["event"] == "generation_declared"]
     for d in declared:
@@ -352,6 +360,7 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
         model=[*REAL_DATA_MODEL, *corpus])
     recovered = check_recoveries(job, events, run.fingerprint, count=3)
     assert _spares_took(events) == [(1, [6], ["6"]), (2, [2], ["2"]), (3, [5], ["5"])]
+    assert _spares_took_warm_loaders(tmp_path) == 3, job.describe()
     # Both errors came in a forward pass of the replica of ranks 2, 3, 6, 7: the other
     # replica kept the gradients of its interleaved iteration and recomputed nothing.
     for g in (1, 2):
@@ -385,6 +394,9 @@ def test_overlapped_communication_and_recomputation_are_hot_swapped(
         extra=["--overlap-grad-reduce", "--overlap-param-gather", "--recompute-granularity",
                "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     recovered = check_recoveries(job, events, run.fingerprint, count=4)
+    # Megatron's default 2 data-loader workers a loader: each spare started its loaders'
+    # workers while it waited, and pretrain()'s took them.
+    assert _spares_took_warm_loaders(tmp_path) == 4, job.describe()
     gen = {g: {e["rank"]: e for e in recovered if e["generation"] == g} for g in range(1, 5)}
     kept = {g: {r for r, e in gen[g].items() if e["kept_grads"]} for g in gen}
     assert kept == {1: {2, 3, 6, 7}, 2: set(), 3: set(), 4: set()}, kept

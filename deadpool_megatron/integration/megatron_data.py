@@ -38,25 +38,58 @@ def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
     return iterator
 
 
+def _serves(running: Any, loader: Any) -> bool:
+    """Whether `running`, a DataLoader iterator with persistent worker processes, can read
+    `loader`'s batches with its workers: a worker reads whatever indices it is sent, so it
+    serves any sampler over the same dataset, collated the same way."""
+    return bool(getattr(running, "_persistent_workers", False) and not running._shutdown
+                and running._dataset is loader.dataset
+                and running._num_workers == loader.num_workers
+                and running._auto_collation == loader._auto_collation
+                and running._drop_last == loader.drop_last
+                and running._collate_fn is loader.collate_fn)
+
+
 def _reseated(running: Any, loader: Any) -> bool:
-    """Whether `running`, a DataLoader iterator with persistent worker processes, now reads
-    `loader`'s batches: its workers kept (as torch keeps them from one epoch to the next),
-    only the sampler replaced. A worker reads whatever indices it is sent, so it serves any
-    sampler over the same dataset, collated the same way. Measured at 8 ranks with
-    Megatron's default 2 workers a loader, making new ones instead (forking the workers,
-    then shutting the old ones down) was 0.2-0.3 s of a recovery. False (nothing changed)
-    for any other iterator: the caller makes a new one."""
-    same = (getattr(running, "_persistent_workers", False) and not running._shutdown
-            and running._dataset is loader.dataset
-            and running._num_workers == loader.num_workers
-            and running._auto_collation == loader._auto_collation
-            and running._drop_last == loader.drop_last
-            and running._collate_fn is loader.collate_fn)
-    if not same:
+    """Whether `running` now reads `loader`'s batches (`_serves`): its workers kept, as
+    torch keeps them from one epoch to the next, only the sampler replaced. Measured at 8
+    ranks with Megatron's default 2 workers a loader, making new ones instead (forking the
+    workers, then shutting the old ones down) was 0.2-0.3 s of a recovery. False (nothing
+    changed) for any other iterator: the caller makes a new one."""
+    if not _serves(running, loader):
         return False
     running._index_sampler = loader._index_sampler
     running._reset(loader)  # the old epoch's prefetched batches are received and dropped
     return True
+
+
+class FirstReadResets:
+    """A persistent-worker DataLoader iterator that a loader takes over (`DataLoader.__iter__`
+    resets it), reset to that loader's position only when first read: a spare's loaders,
+    started while it waited (integration/spare_loaders.py), are moved to the restored
+    position before they are read, so their workers compute no batch of the position
+    pretrain() built them at. Reads as the running iterator does (`_serves` and
+    spread_iterator read through it)."""
+
+    def __init__(self, running: Any) -> None:
+        self.running, self.pending = running, None
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        self.pending = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["running"], name)
+
+    def __iter__(self) -> "FirstReadResets":
+        return self
+
+    def __next__(self) -> Any:
+        if self.pending is not None:
+            loader, self.pending = self.pending, None
+            if not _reseated(self.running, loader):
+                raise RuntimeError("a spare's data-loader workers cannot read its loader's "
+                                   "batches (another dataset or loader settings)")
+        return next(self.running)
 
 
 def spread_iterator(iterator: Any, consumed_samples: int, items: Sequence[tuple[int, int]],

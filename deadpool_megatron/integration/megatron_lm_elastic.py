@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration.spare_loaders import SpareLoaders
 from deadpool_megatron.reconstruct.rebind import NotWalked
 
 log = logging.getLogger("deadpool_megatron.megatron_lm")
@@ -198,6 +199,7 @@ class MegatronLmLoop:
         self.fresh_globals = True  # Megatron's globals as the script set them, unused
         self.result: Any = None
         self.prebuilt: _Prebuilt | None = None  # a spare's datasets, built while it waited
+        self.loaders = SpareLoaders({})  # and its data loaders' workers, started then
 
     def make_groups(self, timeout: timedelta) -> None:
         """Megatron's own model-parallel initialisation, over the default group just made
@@ -236,6 +238,12 @@ class MegatronLmLoop:
         except Exception as err:  # noqa: BLE001 - built at the assignment instead
             log.warning("spare: the datasets could not be built ahead (%s: %s); they are "
                         "built when a rank is assigned", type(err).__name__, err)
+            return
+        try:
+            self.loaders = SpareLoaders.start(_flat(self.prebuilt.datasets))
+        except Exception as err:  # noqa: BLE001 - forked at the assignment instead
+            log.warning("spare: the data loaders could not be started ahead (%s: %s); their "
+                        "workers start when a rank is assigned", type(err).__name__, err)
 
     def _provider(self) -> Callable:
         return self.kwargs.get("train_valid_test_dataset_provider") or self.args[1]
@@ -270,7 +278,7 @@ class MegatronLmLoop:
         margs.deadpool_session = MegatronSession(member, thread, startup)
         try:
             args, kwargs = self._pretrain_args(thread.spare)
-            with on_parsed_arguments():
+            with on_parsed_arguments(), self.loaders.handed_over():
                 self.result = self.pretrain(*args, **kwargs)
         finally:
             startup.close()
@@ -329,14 +337,19 @@ class MegatronSession(NotWalked):
                           valid_consumed=int(getattr(margs, "consumed_valid_samples", 0)))
         self.startup.close()
         work = self.thread.built(state)
+        built_alone = self.thread.spare  # a spare's iterators: where pretrain() built them
 
         def train_once(work: dict) -> Any:
+            nonlocal built_alone
             self.work = work
             state = self.member.state
             margs.iteration = margs.curr_iteration = state.iteration
             margs.consumed_train_samples = state.consumed_samples
             position = _position_after_restore(work.get(state.iteration + 1),
                                                state.consumed_samples)
+            if position is None and built_alone:  # at sample 0 (no checkpoint read)
+                position = state.consumed_samples
+            built_alone = False
             if position is not None:
                 call.arguments["train_data_iterator"] = data_iterator_at(
                     call.arguments["train_data_iterator"], position)
@@ -407,6 +420,14 @@ def _progress_board(timeout_s: float | None) -> Any:
     if board is not None:
         board.start_monitor()
     return board
+
+
+def _flat(datasets: Any) -> list:
+    """A provider's (train, valid, test), a list of validation sets flattened."""
+    flat: list = []
+    for each in datasets or ():
+        flat += each if isinstance(each, list) else [each]
+    return flat
 
 
 class _Prebuilt:
