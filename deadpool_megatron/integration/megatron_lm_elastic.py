@@ -276,9 +276,12 @@ class MegatronLmLoop:
             margs.load = None
         startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
         margs.deadpool_session = MegatronSession(member, thread, startup)
+        loaders, self.loaders = self.loaders, SpareLoaders({})  # for this build alone
+        if not thread.spare:  # building with every rank: over datasets of its own
+            loaders.close()
         try:
             args, kwargs = self._pretrain_args(thread.spare)
-            with on_parsed_arguments(), self.loaders.handed_over():
+            with on_parsed_arguments(), loaders.handed_over():
                 self.result = self.pretrain(*args, **kwargs)
         finally:
             startup.close()
