@@ -4,6 +4,7 @@ a loader made fresh at that position, and no worker process is made or lost."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -99,3 +100,10 @@ def test_a_loader_handed_running_workers_reads_them_where_it_is_moved_first() ->
         other._iterator = FirstReadResets(warm)
         next(iter(other))
     warm._shutdown_workers()
+
+
+def test_an_iterator_without_torchs_internals_is_made_anew() -> None:
+    """Another torch's iterator (no persistent-worker fields as 2.13 keeps them): not
+    reused, no error: the caller makes a new one."""
+    elsewhere = SimpleNamespace(_persistent_workers=True)  # and nothing else 2.13 keeps
+    assert not _reseated(elsewhere, loader_at(Numbers(), 0, workers=0))

@@ -41,13 +41,18 @@ def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
 def _serves(running: Any, loader: Any) -> bool:
     """Whether `running`, a DataLoader iterator with persistent worker processes, can read
     `loader`'s batches with its workers: a worker reads whatever indices it is sent, so it
-    serves any sampler over the same dataset, collated the same way."""
-    return bool(getattr(running, "_persistent_workers", False) and not running._shutdown
-                and running._dataset is loader.dataset
-                and running._num_workers == loader.num_workers
-                and running._auto_collation == loader._auto_collation
-                and running._drop_last == loader.drop_last
-                and running._collate_fn is loader.collate_fn)
+    serves any sampler over the same dataset, collated the same way. False where torch's
+    iterator does not keep these as torch 2.13's does (the caller makes a new one)."""
+    try:
+        return bool(running._persistent_workers and not running._shutdown
+                    and callable(running._reset)
+                    and running._dataset is loader.dataset
+                    and running._num_workers == loader.num_workers
+                    and running._auto_collation == loader._auto_collation
+                    and running._drop_last == loader.drop_last
+                    and running._collate_fn is loader.collate_fn)
+    except AttributeError:
+        return False
 
 
 def _reseated(running: Any, loader: Any) -> bool:

@@ -41,8 +41,10 @@ class SpareLoaders:
         from megatron.training.datasets import data_samplers
 
         margs = get_args()
-        if margs.num_workers <= 0 or margs.dataloader_type != "single" or \
-                torch.accelerator.is_available():
+        accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
+        pins = accelerator.is_available() if accelerator is not None \
+            else torch.cuda.is_available()
+        if margs.num_workers <= 0 or margs.dataloader_type != "single" or pins:
             return cls({})
         t0 = time.perf_counter()
         running: dict[int, Any] = {}
