@@ -38,7 +38,7 @@ def data_iterator_at(iterator: Any, consumed_samples: int) -> Any:
     return iterator
 
 
-def _serves(running: Any, loader: Any) -> bool:
+def workers_serve(running: Any, loader: Any) -> bool:
     """Whether `running`, a DataLoader iterator with persistent worker processes, can read
     `loader`'s batches with its workers: a worker reads whatever indices it is sent, so it
     serves any sampler over the same dataset, collated the same way. False where torch's
@@ -56,12 +56,12 @@ def _serves(running: Any, loader: Any) -> bool:
 
 
 def _reseated(running: Any, loader: Any) -> bool:
-    """Whether `running` now reads `loader`'s batches (`_serves`): its workers kept, as
+    """Whether `running` now reads `loader`'s batches (`workers_serve`): its workers kept, as
     torch keeps them from one epoch to the next, only the sampler replaced. Measured at 8
     ranks with Megatron's default 2 workers a loader, making new ones instead (forking the
     workers, then shutting the old ones down) was 0.2-0.3 s of a recovery. False (nothing
     changed) for any other iterator: the caller makes a new one."""
-    if not _serves(running, loader):
+    if not workers_serve(running, loader):
         return False
     running._index_sampler = loader._index_sampler
     running._reset(loader)  # the old epoch's prefetched batches are received and dropped
@@ -73,7 +73,7 @@ class FirstReadResets:
     resets it), reset to that loader's position only when first read: a spare's loaders,
     started while it waited (integration/spare_loaders.py), are moved to the restored
     position before they are read, so their workers compute no batch of the position
-    pretrain() built them at. Reads as the running iterator does (`_serves` and
+    pretrain() built them at. Reads as the running iterator does (`workers_serve` and
     spread_iterator read through it)."""
 
     def __init__(self, running: Any) -> None:

@@ -68,14 +68,14 @@ class SpareLoaders:
         Megatron's builder is put back once the last is handed over (or at the end)."""
         from megatron.training import training
 
-        from deadpool_megatron.integration.megatron_data import FirstReadResets, _serves
+        from deadpool_megatron.integration.megatron_data import FirstReadResets, workers_serve
 
         build = training.build_pretraining_data_loader
 
         def adopting(dataset: Any, consumed_samples: int) -> Any:
             loader = build(dataset, consumed_samples)
             running = self.running.pop(id(dataset), None) if dataset is not None else None
-            if running is not None and _serves(running, loader):
+            if running is not None and workers_serve(running, loader):
                 loader._iterator = FirstReadResets(running)  # read where it is moved to
                 log.info("spare: the %s loader took the workers started ahead",
                          _split_name(dataset))
