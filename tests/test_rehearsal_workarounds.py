@@ -400,3 +400,38 @@ def test_shared_gloo_groups_needed_and_work() -> None:
         "Megatron no longer makes groups with equal members: retire 'shared-gloo-groups'")
     assert same == "False" and int(made) > int(made_shared)
     assert same_shared == "True"
+
+
+GLOO_COPIES = """
+import socket
+import torch.distributed as dist
+from deadpool_megatron.rehearsal.shared_groups import groups_shared_by_members
+from deadpool_megatron.reconstruct.spare import _register_local_backend
+
+_register_local_backend()
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+with groups_shared_by_members():
+    plain = dist.new_group([0])
+    copy = dist.new_group([0], backend="gloo")
+    other = dist.new_group([0], backend="fake")
+print(copy is plain, other is plain)
+dist.destroy_process_group()
+
+from deadpool_megatron.rehearsal import prepare_megatron_import
+from deadpool_megatron.reconstruct.spare import local_world
+prepare_megatron_import(True)
+with local_world(1, 2), groups_shared_by_members():  # a spare's build: every group local
+    plain = dist.new_group([0, 1])
+    print(dist.new_group([0, 1], backend="gloo") is plain)
+"""
+
+
+def test_a_gloo_copy_is_the_default_group_where_gloo_is_the_default() -> None:
+    """Megatron's `_GLOO` groups name gloo; in a gloo world they are its plain groups'
+    twins and share them. A group asking for another backend stays apart. A spare's
+    local world shares them too: its objects must hold the groups the generation it joins
+    names (a `_GLOO` copy of its own would have no successor there)."""
+    out = _python(GLOO_COPIES)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "True"], out.stdout

@@ -27,14 +27,16 @@ from torch.distributed import distributed_c10d as c10d
 @contextlib.contextmanager
 def groups_shared_by_members() -> Iterator[dict[tuple, Any]]:
     """While active, `torch.distributed.new_group` returns the group already made for the
-    same members (and backend) instead of a new one. Every rank calls new_group in the same
-    order, so every rank makes the same choice. Yields the groups made, by members."""
+    same members (and backend: Megatron-LM's `_GLOO` copies name gloo, the default one
+    here) instead of a new one. Every rank calls new_group in the same order, so every rank
+    makes the same choice. Yields the groups made, by members."""
     original = dist.new_group
     made: dict[tuple, Any] = {}
 
     def new_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
         members = tuple(sorted(ranks)) if ranks is not None else None
-        key = (members, kwargs.get("backend"), kwargs.get("use_local_synchronization", False))
+        key = (members, _backend(kwargs.get("backend")),
+               kwargs.get("use_local_synchronization", False))
         plain = kwargs.get("pg_options") is None and not args
         if plain and key in made:
             return made[key]
@@ -51,3 +53,13 @@ def groups_shared_by_members() -> Iterator[dict[tuple, Any]]:
         yield made
     finally:
         dist.new_group = original
+
+
+def _backend(asked: Any) -> str:
+    """The backend a new group gets: the one asked for, else the default group's. In a
+    spare's local world every group is local, whatever it asks for (reconstruct/spare.py):
+    there a `_GLOO` copy shares too, as it will in the generation the spare joins."""
+    default = str(dist.get_backend()).lower()
+    if asked is None or default == str(dist.Backend.FAKE).lower():
+        return default
+    return str(asked).lower()
