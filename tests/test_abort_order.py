@@ -73,7 +73,7 @@ def _member(tp: int, log: list[str]):
                                    longest_iteration_s=0.1)
     member = Member(cfg=TrainConfig(distributed_backend="nccl", tensor_model_parallel_size=tp),
                     ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=2,
-                    cpu_rehearsal=False, events=types.SimpleNamespace(emit=lambda *a, **k: None),
+                    events=types.SimpleNamespace(emit=lambda *a, **k: None),
                     engine=engine, ledger=ledger, injector=None, generation=4)
     member.sockets_before = _sockets_now()  # nothing of this test process is cut
     return member

@@ -256,7 +256,7 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
         ledger = MicrobatchLedger()
         member = recovery.Member(
             cfg=TrainConfig(distributed_backend="gloo", tensor_model_parallel_size=2),
-            ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=4, cpu_rehearsal=True,
+            ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=4,
             events=types.SimpleNamespace(emit=lambda *a, **k: None), engine=engine,
             ledger=ledger, injector=None, generation=g)
         member.sockets_before = frozenset(_inode(s) for s in [server])

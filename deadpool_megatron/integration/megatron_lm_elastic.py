@@ -155,6 +155,7 @@ class HotSwapPretrain:
 
         from deadpool_megatron.integration.megatron_data import BatchSchedule
         from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
+        from deadpool_megatron.reconstruct.recovery import LoopTraits
         from deadpool_megatron.training.driver import exit_now, run_worker
         from deadpool_megatron.training.elastic import new_worker_member
 
@@ -173,9 +174,10 @@ class HotSwapPretrain:
         def new_member(rank: int, generation: int) -> Any:
             # Megatron's --load reads only Megatron's checkpoints: a flush writes nothing,
             # and the job restarts from its --save.
-            return new_worker_member(cfg, ft, self.ctl, rank, generation, world,
-                                     cfg.distributed_backend == "gloo", progress, device,
-                                     flushes_snapshots=False, microbatches_of=schedule)
+            return new_worker_member(cfg, ft, self.ctl, rank, generation, world, progress,
+                                     device, LoopTraits(make_groups=loop.make_groups,
+                                                        microbatches_of=schedule,
+                                                        flushes_snapshots=False))
 
         rc = run_worker(self.ctl, new_member, loop,
                         inherited_thread_context(cfg.distributed_backend))

@@ -84,26 +84,45 @@ class CannotContinue(RuntimeError):
     of the broken generation would not stop); it leaves so a spare replaces it."""
 
 
+@dataclass(frozen=True)
+class LoopTraits:
+    """What the recovery steps need to know of the training loop that runs them (ours,
+    or Megatron-LM's own: training/driver.TrainingLoop)."""
+
+    # This generation's model-parallel groups, over its default group; None: ours for cfg.
+    make_groups: Callable[[timedelta], None] | None = None
+    # Micro-batches per replica in an iteration, where a batch-size schedule varies them
+    # (Megatron's --rampup-batch-size); None: cfg's, the same in every iteration.
+    microbatches_of: Callable[[int], int] | None = None
+    # A flush writes this rank's snapshots to --save; off where the restart reads only the
+    # loop's own checkpoints (Megatron-LM's --load).
+    flushes_snapshots: bool = True
+
+
 @dataclass
 class Member(NotWalked):
-    """What one worker carries from generation to generation."""
+    """What one worker carries from generation to generation: first what is fixed at its
+    start (its rank, configs, services, and what its loop is), then what the recovery steps
+    change (the generation, the live state, the groups and the cut's bookkeeping)."""
 
     cfg: TrainConfig
     ft: DeadPoolConfig
     ctl: ControlClient
     rank: int
     world: int
-    cpu_rehearsal: bool
     events: EventLog
     engine: SnapshotEngine
     ledger: MicrobatchLedger
     injector: FaultInjector
+    loop: LoopTraits = LoopTraits()
+    progress: ProgressBoard | None = None  # what this rank's launcher reads of its progress
+    device: ProcessDevice = CPU  # set in each thread here that may touch CUDA
+    # -- changed by the recovery steps --
     generation: int = 0
     state: LoopState | None = None
     state_valid: bool = False  # live objects hold a completed iteration (or a partial one
     # the ledger describes); False for a spare before its restore, or mid-restore
     groups: GroupBinding = field(default_factory=GroupBinding)  # the objects' groups
-    progress: ProgressBoard | None = None  # what this rank's launcher reads of its progress
     identity: list[tuple[int, int]] = field(default_factory=list)  # params at first build
     start_iteration: int | None = None  # where this job's training began (after --load)
     gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
@@ -112,17 +131,6 @@ class Member(NotWalked):
     # them all: a group of an older generation still in use (a reference the rebind
     # missed) must fail too, not hang on sockets that were never cut.
     sockets_before: frozenset[int] | None = None
-    device: ProcessDevice = CPU  # set in each thread here that may touch CUDA
-    # This generation's model-parallel groups, over its default group (the training loop's
-    # way: ours, or Megatron-LM's own initialisation); None: ours for `cfg`.
-    make_groups: Callable[[timedelta], None] | None = None
-    keeps_replicas: bool = True  # an intact replica keeps its gradients (recovery.leave)
-    # Micro-batches per replica in an iteration, where a batch-size schedule varies them
-    # (Megatron's loop); None: cfg's, the same in every iteration.
-    microbatches_of: Callable[[int], int] | None = None
-    # A flush writes this rank's snapshots to --save; off where the restart reads only the
-    # loop's own checkpoints (Megatron-LM's --load).
-    flushes_snapshots: bool = True
 
     def cut(self, spared: frozenset[int] = frozenset()) -> GenerationCut:
         """How this generation is cut loose (its NCCL communicators, its connections but
@@ -152,7 +160,7 @@ class Member(NotWalked):
         """The groups this rank may keep (keep.keepable), each with whether it can (its
         connections known and open): every member of such a group names it, so every
         member reports on it."""
-        if not self.keeps_groups or flushing or not self.keeps_replicas:
+        if not self.keeps_groups or flushing:
             return {}
         return keep.candidates(self.groups.registry, self.groups.sockets, replaced,
                                self.replica_of)
@@ -228,11 +236,9 @@ def adopt(member: Member, state: LoopState, spare: bool) -> None:
 
 # -- leave --------------------------------------------------------------------------------
 def leave(member: Member, training: StoppableThread | None,
-          keep_intact_replicas: bool = True, peak: PeakRss | None = None) -> int:
-    """Stop the broken generation here; returns the generation to join next. Without
-    `keep_intact_replicas` every rank stops at once, as in a replica that lost a rank (a
-    loop that recomputes whole iterations keeps no gradients). `peak` is told when the
-    training thread stopped."""
+          peak: PeakRss | None = None) -> int:
+    """Stop the broken generation here; returns the generation to join next. `peak` is
+    told when the training thread stopped."""
     ctl = member.ctl
     laps = _Laps()
     generation = ctl.wait_generation_after(member.generation)
@@ -240,7 +246,7 @@ def leave(member: Member, training: StoppableThread | None,
     if ctl.members(generation).get(member.rank) != ctl.worker:
         raise CannotContinue(f"rank {member.rank} was declared lost in generation {generation}")
     replaced = {r for g in range(member.generation + 1, generation + 1) for r in ctl.replaced(g)}
-    lost_replica = flushing or not keep_intact_replicas or \
+    lost_replica = flushing or \
         member.replica_of(member.rank) in {member.replica_of(r) for r in replaced}
     member.groups.retire(member.generation)
     laps("declared")
@@ -403,7 +409,7 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     member.generation = generation  # groups made from here on are this generation's
     member.ctl.watch(generation, lambda newer: interrupt(member))
     if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
-                           member.make_groups, laps,
+                           member.loop.make_groups, laps,
                            on_store=lambda store: setattr(member, "gen_store", store),
                            after_default_group=lambda: member.injector.fire("groups",
                                                                             generation),
@@ -478,7 +484,7 @@ def agree(member: Member, report: RankReport) -> tuple[RecoveryPlan, list[int]]:
         raise CannotContinue(f"rank {member.rank}: a peer's recovery report is malformed "
                              f"({err})") from None
     replaced = set(member.ctl.replaced(member.generation))
-    num_mb = member.microbatches_of or member.cfg.num_microbatches(member.world)
+    num_mb = member.loop.microbatches_of or member.cfg.num_microbatches(member.world)
     plan = plan_recovery(reports, replaced, member.buddies(),
                          [member.replica_of(r) for r in range(member.world)], num_mb,
                          member.ft.deadpool_replay, member.sources())
@@ -652,8 +658,7 @@ def recover(member: Member, training: StoppableThread | None,
     t0 = time.perf_counter()
     peak = PeakRss()
     peak.start()
-    generation = leave(member, training, keep_intact_replicas=member.keeps_replicas,
-                       peak=peak)
+    generation = leave(member, training, peak=peak)
     flush_if_asked(member, generation)
     return enter(member, generation, t0, rebuild, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})
@@ -667,7 +672,7 @@ def flush_if_asked(member: Member, generation: int) -> None:
     request = member.ctl.flush_of(generation)
     if request is None:
         return
-    if member.flushes_snapshots:
+    if member.loop.flushes_snapshots:
         written = flush_held(member, set(request["lost"]))
     else:
         written = {}

@@ -82,7 +82,6 @@ class _Driver:
                  thread_context: Callable[[], ContextManager]) -> None:
         self.member, self.loop, self.context = member, loop, thread_context
         self.thread: TrainingThread | None = None
-        member.make_groups = loop.make_groups
 
     def run(self) -> int:
         member, ctl = self.member, self.member.ctl

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control.client import ControlClient
@@ -18,7 +18,7 @@ from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState
 from deadpool_megatron.integration.device import CPU, ProcessDevice
-from deadpool_megatron.reconstruct.recovery import Member
+from deadpool_megatron.reconstruct.recovery import LoopTraits, Member
 from deadpool_megatron.training.driver import generation_hooks, run_worker
 from deadpool_megatron.training.training_thread import TrainingThread, Work
 
@@ -77,19 +77,18 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
                 progress: ProgressBoard | None = None, device: ProcessDevice = CPU) -> int:
     """Our loop's worker under deadpool-launch; its exit code."""
     world = int(os.environ["WORLD_SIZE"])
+    loop = OwnLoop(cfg, dataset, cpu_rehearsal, finish)
 
     def new_member(rank: int, generation: int) -> Member:
-        return new_worker_member(cfg, ft, ctl, rank, generation, world, cpu_rehearsal,
-                                 progress, device)
+        return new_worker_member(cfg, ft, ctl, rank, generation, world, progress, device,
+                                 LoopTraits(make_groups=loop.make_groups))
 
-    return run_worker(ctl, new_member, OwnLoop(cfg, dataset, cpu_rehearsal, finish),
-                      thread_context)
+    return run_worker(ctl, new_member, loop, thread_context)
 
 
 def new_worker_member(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, rank: int,
-                      generation: int, world: int, cpu_rehearsal: bool,
-                      progress: ProgressBoard | None, device: ProcessDevice,
-                      **extra: Any) -> Member:
+                      generation: int, world: int, progress: ProgressBoard | None,
+                      device: ProcessDevice, loop: LoopTraits) -> Member:
     """What a worker carries from generation to generation (either loop)."""
     from deadpool_megatron.metrics.events import EventLog
     from deadpool_megatron.replay.ledger import MicrobatchLedger
@@ -101,8 +100,7 @@ def new_worker_member(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, 
     sizes = ParallelSizes.from_world(world, cfg.tensor_model_parallel_size,
                                      cfg.pipeline_model_parallel_size)
     injector = member_injector(ft, ctl, rank, sizes, world, events)
-    return Member(cfg=cfg, ft=ft, ctl=ctl, rank=rank, world=world,
-                  cpu_rehearsal=cpu_rehearsal, events=events,
+    return Member(cfg=cfg, ft=ft, ctl=ctl, rank=rank, world=world, events=events,
                   engine=SnapshotEngine(cfg, ft, injector, events, device),
-                  ledger=MicrobatchLedger(), injector=injector,
-                  generation=generation, progress=progress, device=device, **extra)
+                  ledger=MicrobatchLedger(), injector=injector, loop=loop,
+                  progress=progress, device=device, generation=generation)
