@@ -242,7 +242,7 @@ class MegatronLmLoop:
                         "built when a rank is assigned", type(err).__name__, err)
             return
         try:
-            self.loaders = SpareLoaders.start(_flat(self.prebuilt.datasets))
+            self.loaders = SpareLoaders.start(self.prebuilt.datasets)
         except Exception as err:  # noqa: BLE001 - forked at the assignment instead
             log.warning("spare: the data loaders could not be started ahead (%s: %s); their "
                         "workers start when a rank is assigned", type(err).__name__, err)
@@ -425,14 +425,6 @@ def _progress_board(timeout_s: float | None) -> Any:
     if board is not None:
         board.start_monitor()
     return board
-
-
-def _flat(datasets: Any) -> list:
-    """A provider's (train, valid, test), a list of validation sets flattened."""
-    flat: list = []
-    for each in datasets or ():
-        flat += each if isinstance(each, list) else [each]
-    return flat
 
 
 class _Prebuilt:

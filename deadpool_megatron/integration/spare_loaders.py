@@ -33,9 +33,10 @@ class SpareLoaders:
         self.running = running  # id(dataset) -> its loader's running iterator
 
     @classmethod
-    def start(cls, datasets: Iterable[Any]) -> "SpareLoaders":
+    def start(cls, datasets: Iterable[Any] | None) -> "SpareLoaders":
         """Each dataset's loader built and started (its workers forked); none where the
-        loaders have no workers or pin memory, or are not Megatron's 'single' loader."""
+        loaders have no workers or pin memory, or are not Megatron's 'single' loader.
+        `datasets`: a provider's (train, valid, test), validation sets as one or a list."""
         import torch
         from megatron.training import get_args
         from megatron.training.datasets import data_samplers
@@ -53,7 +54,7 @@ class SpareLoaders:
         one_replica = SimpleNamespace(get_data_parallel_rank=lambda: 0,
                                       get_data_parallel_world_size=lambda: 1)
         with _replaced(data_samplers, "mpu", one_replica), torch.random.fork_rng(devices=[]):
-            for dataset in datasets:
+            for dataset in _flat(datasets):
                 if dataset is not None and id(dataset) not in running:
                     loader = data_samplers.build_pretraining_data_loader(dataset, 0)
                     running[id(dataset)] = iter(loader)
@@ -116,3 +117,11 @@ def _replaced(module: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, saved)
+
+
+def _flat(datasets: Iterable[Any] | None) -> list:
+    """A provider's (train, valid, test), a list of validation sets flattened."""
+    flat: list = []
+    for each in datasets or ():
+        flat += each if isinstance(each, list) else [each]
+    return flat
