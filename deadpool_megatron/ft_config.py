@@ -58,7 +58,7 @@ class DeadPoolConfig:
     )
     deadpool_verify_restore_at: int | None = field(
         default=None,
-        metadata=flag("Rehearsal: at this iteration every rank replaces its live state by a "
+        metadata=flag("Restore check: at this iteration every rank replaces its live state by a "
                       "fresh model restored from its buddy's committed snapshot."),
     )
 
