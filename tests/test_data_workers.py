@@ -48,9 +48,25 @@ def first(iterator, n: int) -> list[list[int]]:
     return [next(iterator).flatten().tolist() for _ in range(n)]
 
 
-def test_a_running_iterator_reads_from_the_new_position_with_the_same_workers() -> None:
+@pytest.fixture
+def start_workers() -> Any:
+    """Starts a loader's iterator whose workers are shut down after the test, passed or
+    failed (none left to the garbage collector)."""
+    started: list[Any] = []
+
+    def start(loader: torch.utils.data.DataLoader) -> Any:
+        started.append(iter(loader))
+        return started[-1]
+
+    yield start
+    for it in started:
+        it._shutdown_workers()
+
+
+def test_a_running_iterator_reads_from_the_new_position_with_the_same_workers(
+        start_workers: Any) -> None:
     dataset = Numbers()
-    running = iter(loader_at(dataset, 0))
+    running = start_workers(loader_at(dataset, 0))
     first(running, 3)  # mid-epoch, with batches prefetched past this point
     pids = sorted(w.pid for w in running._workers)
     # Back to an earlier position (a rank that recomputes) and on to a later one.
@@ -60,29 +76,27 @@ def test_a_running_iterator_reads_from_the_new_position_with_the_same_workers() 
         assert first(running, 4) == expected
         assert sorted(w.pid for w in running._workers) == pids
         assert all(w.is_alive() for w in running._workers)
-    running._shutdown_workers()
 
 
-def test_an_iterator_it_cannot_reuse_is_left_as_it_was() -> None:
+def test_an_iterator_it_cannot_reuse_is_left_as_it_was(start_workers: Any) -> None:
     dataset = Numbers()
     in_process = iter(loader_at(dataset, 0, workers=0))
     assert not _reseated(in_process, loader_at(dataset, 8, workers=0))
     assert first(in_process, 1) == [[2, 3]]  # DP rank 1 of 2: its first micro-batch
-    not_persistent = iter(loader_at(dataset, 0, persistent=False))
+    not_persistent = start_workers(loader_at(dataset, 0, persistent=False))
     assert not _reseated(not_persistent, loader_at(dataset, 8, persistent=False))
-    other = iter(loader_at(dataset, 0))
+    other = start_workers(loader_at(dataset, 0))
     assert not _reseated(other, loader_at(Numbers(), 8))  # another dataset
     assert not _reseated(other, loader_at(dataset, 8, workers=1))  # other workers
     assert first(other, 1) == [[2, 3]]
-    for it in (not_persistent, other):
-        it._shutdown_workers()
 
 
-def test_a_loader_handed_running_workers_reads_them_where_it_is_moved_first() -> None:
+def test_a_loader_handed_running_workers_reads_them_where_it_is_moved_first(
+        start_workers: Any) -> None:
     """A spare's loader (integration/spare_loaders.py): iterating it resets nothing yet;
     moved to the restored position, its first read resets the workers there."""
     dataset = Numbers()
-    warm = iter(loader_at(dataset, 0))
+    warm = start_workers(loader_at(dataset, 0))
     pids = sorted(w.pid for w in warm._workers)
     built = loader_at(dataset, 0)  # as pretrain() builds it, at sample 0
     built._iterator = FirstReadResets(warm)
@@ -99,7 +113,6 @@ def test_a_loader_handed_running_workers_reads_them_where_it_is_moved_first() ->
         other = loader_at(Numbers(), 0)
         other._iterator = FirstReadResets(warm)
         next(iter(other))
-    warm._shutdown_workers()
 
 
 def test_an_iterator_without_torchs_internals_is_made_anew() -> None:
