@@ -164,10 +164,10 @@ class HotSwapPretrain:
         world = int(os.environ["WORLD_SIZE"])
         ft.validate(world)
         progress = _progress_board(ft.deadpool_progress_timeout)
-        loop = MegatronLmLoop(self.pretrain, args, kwargs, margs)
         from deadpool_megatron.integration.device import ProcessDevice
 
         device = ProcessDevice.choose(cfg.distributed_backend)
+        loop = MegatronLmLoop(self.pretrain, args, kwargs, margs, device)
         schedule = BatchSchedule() if getattr(margs, "step_batch_size_schedule", None) \
             else None
 
@@ -190,10 +190,11 @@ class MegatronLmLoop:
     """Megatron's `pretrain()` as a `TrainingLoop` (training/driver.py)."""
 
     def __init__(self, pretrain: Callable, args: tuple, kwargs: dict,
-                 margs: argparse.Namespace) -> None:
+                 margs: argparse.Namespace, device: Any) -> None:
         import megatron.training.training as training
 
         self.pretrain, self.args, self.kwargs = pretrain, args, kwargs
+        self.device = device  # this process's (a spare keeps its slot's at any rank)
         self.pristine = copy.deepcopy(margs)  # Megatron's arguments as the script parsed them
         # pretrain() records its start-up times in a module dict and all-reduces them once
         # set: every build must see the script's values, or ranks run unequal collectives.
@@ -242,7 +243,7 @@ class MegatronLmLoop:
                         "built when a rank is assigned", type(err).__name__, err)
             return
         try:
-            self.loaders = SpareLoaders.start(self.prebuilt.datasets)
+            self.loaders = SpareLoaders.start(self.prebuilt.datasets, self.device)
         except Exception as err:  # noqa: BLE001 - forked at the assignment instead
             log.warning("spare: the data loaders could not be started ahead (%s: %s); their "
                         "workers start when a rank is assigned", type(err).__name__, err)

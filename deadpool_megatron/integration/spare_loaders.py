@@ -11,8 +11,10 @@ and hands each to the loader pretrain() builds over the same dataset: its worker
 reset to that loader's position (torch's persistent workers, as between epochs) when it is
 first read, after the recovery moved it to the restored position.
 
-Only where no accelerator is seen: a loader that pins memory starts a thread on the current
-device, which a waiting spare has not chosen yet.
+A loader that pins memory (Megatron's do, where an accelerator is seen) starts its
+pin-memory thread on the device current when its iterator is made: the loaders are started
+with this process's device bound, the one its slot gives it and it keeps at whatever rank
+it is assigned (integration/device.py), so the thread pins for the device that trains.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import logging
 import time
 from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
+
+from deadpool_megatron.integration.device import ProcessDevice
 
 log = logging.getLogger("deadpool_megatron.megatron_lm")
 
@@ -33,19 +37,17 @@ class SpareLoaders:
         self.running = running  # id(dataset) -> its loader's running iterator
 
     @classmethod
-    def start(cls, datasets: Iterable[Any] | None) -> "SpareLoaders":
-        """Each dataset's loader built and started (its workers forked); none where the
-        loaders have no workers or pin memory, or are not Megatron's 'single' loader.
-        `datasets`: a provider's (train, valid, test), validation sets as one or a list."""
+    def start(cls, datasets: Iterable[Any] | None, device: ProcessDevice) -> "SpareLoaders":
+        """Each dataset's loader built and started (its workers forked, its pin-memory
+        thread on `device`); none where the loaders have no workers or are not Megatron's
+        'single' loader. `datasets`: a provider's (train, valid, test), validation sets as
+        one or a list."""
         import torch
         from megatron.training import get_args
         from megatron.training.datasets import data_samplers
 
         margs = get_args()
-        accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
-        pins = accelerator.is_available() if accelerator is not None \
-            else torch.cuda.is_available()
-        if margs.num_workers <= 0 or margs.dataloader_type != "single" or pins:
+        if margs.num_workers <= 0 or margs.dataloader_type != "single":
             return cls({})
         t0 = time.perf_counter()
         running: dict[int, Any] = {}
@@ -53,7 +55,8 @@ class SpareLoaders:
         # which a waiting spare has not joined: it gets the first of one.
         one_replica = SimpleNamespace(get_data_parallel_rank=lambda: 0,
                                       get_data_parallel_world_size=lambda: 1)
-        with _replaced(data_samplers, "mpu", one_replica), torch.random.fork_rng(devices=[]):
+        with device.thread(), _replaced(data_samplers, "mpu", one_replica), \
+                torch.random.fork_rng(devices=[]):
             for dataset in _flat(datasets):
                 if dataset is not None and id(dataset) not in running:
                     loader = data_samplers.build_pretraining_data_loader(dataset, 0)
