@@ -7,8 +7,9 @@ from deadpool_megatron.control.progress import IN_COLLECTIVE, RUNNING
 
 
 def _view(worker: str, stalled_s: float, where: int = IN_COLLECTIVE, os_state: str = "S",
-          counter: int = 100) -> WorkerView:
-    return WorkerView(worker=worker, generation=0, counter=counter, stalled_s=stalled_s,
+          counter: int = 100, generation: int = 0) -> WorkerView:
+    return WorkerView(worker=worker, generation=generation, counter=counter,
+                      stalled_s=stalled_s,
                       timeout_s=5.0, monitor_age_s=0.1, where=where, long_operation=False,
                       os_state=os_state, phase="backward")
 
@@ -47,3 +48,39 @@ def test_no_guess_while_a_member_builds_but_a_certain_culprit_still_goes() -> No
     stopped = [*waiting, _view("w5", 5.1, where=RUNNING, os_state="T")]
     verdict = find_hung(stopped, someone_building=True)
     assert verdict is not None and verdict.certain and verdict.culprits == ("w5",)
+
+
+def test_ranks_stuck_forming_a_superseded_generation_are_the_culprits() -> None:
+    """Chaos soak seed 21: rank 3 was stopped while generation 1 formed; generation 2
+    replaced it, but ranks 4, 5 and 7 stayed in generation 1's group creation (gloo waits
+    for a peer that was to connect, with no socket the declaration could cut). The ranks
+    in generation 2's rendezvous wait for them: the stuck ones are replaced, not rank 2, the
+    one with the fewest stamps among the waiting (which left every spare to guesses)."""
+    views = [_view("w0", 1.0, counter=60, generation=2),
+             _view("w2", 5.2, counter=40, generation=2),
+             _view("w4", 5.2, counter=70, generation=1),
+             _view("w5", 5.2, counter=71, generation=1),
+             _view("w7", 5.2, counter=72, generation=1)]
+    verdict = find_hung(views)
+    assert verdict is not None and verdict.certain
+    assert verdict.culprits == ("w4", "w5", "w7")
+    assert "still in generation 1" in verdict.why["w4"]
+    # Only the stalled ones: a rank of the older generation still moving is left alone.
+    moving = views[:4] + [_view("w7", 1.0, counter=72, generation=1)]
+    verdict = find_hung(moving)
+    assert verdict is not None and verdict.culprits == ("w4", "w5")
+
+
+def test_a_rank_stopped_inside_a_long_operation_is_still_found() -> None:
+    """A long operation (a build, a save, the groups' agreement) exempts slow work from the
+    timeout; a process the OS stopped does none (chaos soak seed 21: stopped inside the
+    agreement, found only when its 10 s budget ran out)."""
+    def in_long_op(worker: str, os_state: str) -> WorkerView:
+        return WorkerView(worker=worker, generation=1, counter=50, stalled_s=5.2,
+                          timeout_s=5.0, monitor_age_s=0.1, where=RUNNING,
+                          long_operation=True, os_state=os_state, phase="recovery")
+
+    verdict = find_hung([_view("w0", 5.2, generation=1), in_long_op("w3", "T")])
+    assert verdict is not None and verdict.certain and verdict.culprits == ("w3",)
+    verdict = find_hung([_view("w0", 5.2, generation=1), in_long_op("w3", "S")])
+    assert verdict is not None and "w3" not in verdict.stalled  # working: not timed

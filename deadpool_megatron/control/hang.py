@@ -7,8 +7,13 @@ a kernel, a deadlock or a frozen process, and its victims, waiting in a collecti
 The culprits are the stalled ranks that are not waiting in a collective: stopped by the
 OS, unable to run Python for a while (a C call holding the GIL), or seen by their monitor
 running elsewhere than a collective. Only those are replaced. When every stalled rank waits
-in a collective the culprit cannot be told; the ranks furthest behind (fewest progress
-stamps in the newest generation) surely include it, and the verdict says it is a guess.
+in a collective, the culprits are the stalled ones still in an older generation than
+another rank has begun forming: the newer one's rendezvous waits for them, and they cannot
+be waiting on it (a newer declaration cuts a forming generation's waits on the store and
+its connections, but gloo's wait for a peer that was to connect, a peer that then failed,
+has no socket to cut: chaos soak seeds 21 and 27). Otherwise the culprit cannot be told;
+the ranks furthest behind (fewest progress stamps in the newest generation) surely include
+it, and the verdict says it is a guess.
 No guess while a rank not yet stalled is stopped by the OS or runs no Python: its victims
 stamped last before it (a first pipeline stage waits for the backward of the last), so
 they cross the timeout first, and it crosses its own moments later, a certain culprit.
@@ -55,9 +60,15 @@ class WorkerView:
     phase: str = ""
 
     @property
+    def timed(self) -> bool:
+        """Held to its timeout: outside a long operation, or stopped by the OS inside one
+        (a long operation is slow work; a stopped process does none: chaos soak seed 21
+        stopped a rank inside the groups' agreement, found 10 s later instead of 3)."""
+        return self.phase != "done" and (not self.long_operation or self.os_state == STOPPED)
+
+    @property
     def stalled(self) -> bool:
-        return self.stalled_s > self.timeout_s and not self.long_operation \
-            and self.phase != "done"
+        return self.stalled_s > self.timeout_s and self.timed
 
     @property
     def why(self) -> str:
@@ -94,18 +105,23 @@ def find_hung(views: list[WorkerView], someone_building: bool = False) -> Verdic
         return None
     culprits = [v for v in stalled if v.why]
     certain = bool(culprits)
-    if not culprits and any(v.frozen and not v.long_operation and v.phase != "done"
-                            for v in views):
+    if not culprits and any(v.frozen and v.timed for v in views):
         return None  # the culprit is about to stall too (see the module docstring)
     if not culprits and someone_building:
         return None  # they may wait for it (see the module docstring)
+    why = {v.worker: v.why for v in culprits}
     if not culprits:
         waiting = [v for v in stalled if v.where in (IN_COLLECTIVE, NOWHERE)]
+        forming = max(v.generation for v in views)
+        culprits = [v for v in waiting if v.generation < forming]
+        certain = bool(culprits)
+        why = {v.worker: f"still in generation {v.generation}, which generation {forming} "
+                         f"has superseded" for v in culprits}
+    if not culprits:
         newest = max(v.generation for v in waiting)
         behind = min(v.counter for v in waiting if v.generation == newest)
         culprits = [v for v in waiting if v.generation == newest and v.counter == behind]
+        why = {v.worker: "furthest behind, waiting in a collective" for v in culprits}
     return Verdict(culprits=tuple(v.worker for v in culprits), certain=certain,
-                   stalled=tuple(v.worker for v in stalled),
-                   why={v.worker: v.why or "furthest behind, waiting in a collective"
-                        for v in culprits},
+                   stalled=tuple(v.worker for v in stalled), why=why,
                    waiting=tuple(v.worker for v in views if v.where == IN_COLLECTIVE))
