@@ -53,7 +53,8 @@ kept = set()
 if rank in (0, 1):
     key = ("a", (0, 1), 0)
     store = SignedStore(raw, "token", "t/")
-    kept = keep.agree(store, 1, {key: (mine["a"], True)}, sockets, broken=False, timeout_s=20)
+    kept = keep.agree(store, 1, rank, {key: (mine["a"], True)}, sockets, broken=False,
+                      timeout_s=20)
     if kept:
         handed[key] = keep.detach(mine["a"])
 if uneven and rank == 1:  # what rank 0 waits for, so that its process can end
@@ -273,8 +274,8 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
             monkeypatch.setattr(recovery.Member, "keepable",
                                 lambda self, replaced, flushing: {key: (pg, True)})
             reported: list[bool] = []
-            monkeypatch.setattr(keep, "agree", lambda store, gen, found, sockets, broken,
-                                superseded: reported.append(broken) or set())
+            monkeypatch.setattr(keep, "agree", lambda store, gen, rank, found, sockets,
+                                broken, superseded: reported.append(broken) or set())
             assert recovery.leave(member, _Parks()) == g + 1
             assert reported == [not at_barrier]
             mine.setblocking(False)
@@ -286,3 +287,65 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
         finally:
             mine.close()
             peer.close()
+
+
+def test_a_rank_leaving_a_generation_that_never_formed_reports_every_group_broken() -> None:
+    """Chaos soak seed 28: generation 3 was declared while rank 4 formed generation 2
+    (after generation 1 broke). Its objects still held generation 1's groups, some kept and
+    not yet handed back, their connections being cut by the interruption; it found them
+    open, agreed to keep them, and failed taking out of torch's world a group no longer in
+    it. Leaving a generation that never formed here, a rank names every keepable group (its
+    peers wait for its report) but reports each broken; leaving one that formed, the open
+    ones whole."""
+    from deadpool_megatron.config import TrainConfig
+    from deadpool_megatron.reconstruct import recovery
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        mine = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        try:
+            member = recovery.Member(
+                cfg=TrainConfig(distributed_backend="gloo", tensor_model_parallel_size=2),
+                ft=DeadPoolConfig(deadpool=True), ctl=None, rank=0, world=4, events=None,
+                engine=None, ledger=None, injector=None, generation=2)
+            pg, key = object(), ("TENSOR_MODEL_PARALLEL_GROUP", (0, 1), 0)
+            member.groups.registry = {key: pg}
+            member.groups.sockets = {id(pg): frozenset({_inode(mine)})}  # one a peer
+            member.groups.bound = 2
+            assert member.keepable({3}, flushing=False) == {key: (pg, True)}
+            member.groups.bound = 1  # generation 2's forming was cut
+            assert member.keepable({3}, flushing=False) == {key: (pg, False)}
+        finally:
+            mine.close()
+            peer.close()
+
+
+def test_a_candidate_a_member_does_not_name_is_dropped_once_all_are_done() -> None:
+    """Chaos soak seed 21: a rank leaving a generation that never formed named a group of
+    an older generation's view (a rank replaced then, not since, is in it); its peer there
+    named no such group. It waited for that peer's report until the agreement's timeout,
+    10 s of every recovery, while the others waited in the next rendezvous. Every member
+    now marks its reports done (with no candidate too): a candidate whose members are all
+    done without a verdict is dropped then."""
+    import threading
+
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.reconstruct import keep
+
+    store = SignedStore(dist.HashStore(), "token", "t/")
+    key, pg = ("DATA_PARALLEL_GROUP_WITH_CP", (4, 6), 0), object()
+    stop, kept = threading.Event(), []
+    # Rank 4 names the group and can keep it; the deadline is far, the end must not be it.
+    waiter = threading.Thread(target=lambda: kept.append(keep.agree(
+        store, 2, 4, {key: (pg, False)}, {}, broken=False, superseded=stop.is_set,
+        timeout_s=3600.0)), daemon=True)
+    waiter.start()
+    try:
+        waiter.join(1.0)
+        assert waiter.is_alive()  # rank 6 has not reported: it waits
+        assert keep.agree(store, 2, 6, {}, {}, broken=False) == set()  # names none: done
+        waiter.join(60.0)
+        assert not waiter.is_alive() and kept == [set()]
+    finally:
+        stop.set()
+        waiter.join(5.0)

@@ -189,3 +189,28 @@ def test_the_binding_retires_a_generation_and_rebinds_its_successor_by_name() ->
         assert old in retired and binding.retired == []
     finally:
         dist.destroy_process_group()
+
+
+def test_groups_kept_for_a_generation_that_never_formed_are_retired_once() -> None:
+    """A newer generation declared while one formed, before its groups were made (a failure
+    during a recovery, chaos soak seed 28): the groups kept for it were never handed back,
+    and the interruption cut their connections. Its retirement retires them, once, so no
+    later generation is handed one of them (and no later recovery takes one for a group of
+    torch's world)."""
+    from deadpool_megatron.reconstruct.binding import GroupBinding
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g0/", store), rank=0, world_size=1)
+    try:
+        kept = dist.new_group([0], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+        binding = GroupBinding()
+        binding.adopt(spare=False, generation=0)
+        binding.retire(0)
+        key = next(k for k, pg in binding.registry.items() if pg is kept)
+        binding.keep({key})
+        assert key in binding.handed and kept not in binding.retired
+    finally:
+        dist.destroy_process_group()
+    binding.retire(1)  # generation 1 broke while forming: nothing was handed back
+    assert binding.handed == {} and binding.kept == []
+    assert sum(pg is kept for pg in binding.retired) == 1

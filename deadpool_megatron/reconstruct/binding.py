@@ -49,11 +49,16 @@ class GroupBinding(NotWalked):
 
     def retire(self, generation: int) -> None:
         """`generation` broke: the groups the objects hold are retired (those made since
-        the last rebind, for a generation that had formed, named too)."""
+        the last rebind, for a generation that had formed, named too). So are groups kept
+        for it that were never handed back: its forming was cut before its groups were
+        made (a failure during a recovery), and the cut took their connections too."""
         if self.bound == generation:
             self.registry = kept_groups()
+        held = list(self.registry.values())
+        self.retired += held + [h.pg for h in self.handed.values()
+                                if all(h.pg is not pg for pg in held)]
         self.kept = []
-        self.retired += list(self.registry.values())
+        self.handed.clear()
 
     def keep(self, keys: set[GroupKey]) -> None:
         """These groups of the broken generation outlive it (keep.py): out of torch's world

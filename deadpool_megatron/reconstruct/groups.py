@@ -186,6 +186,9 @@ def _tcp_sockets(skip: frozenset[int] = frozenset()) -> Iterator[tuple[Any, int,
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
+        if os.fstat(sock.fileno()).st_ino != inode:
+            sock.close()  # closed meanwhile and its number reused: a newer socket, which a
+            continue  # cut running beside the next generation's forming must not touch
         try:
             inet = sock.family in (socket.AF_INET, socket.AF_INET6)
             if sock.type != socket.SOCK_STREAM or not inet:

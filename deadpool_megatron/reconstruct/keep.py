@@ -21,7 +21,10 @@ generation's first one, so such a group is dropped. Which groups:
   sequence number (or -1, broken) and its square; the last to report checks that all were
   equal and sets the verdict; a member that waits too long sets "drop" instead (the first
   verdict set wins: every member reads the same one). Key names carry a tag of the job
-  token (SignedStore.secret_name): no process without it can skew the sums;
+  token (SignedStore.secret_name): no process without it can skew the sums. Each member
+  then marks its reports done: a candidate whose members are all done without a verdict
+  is one some member does not name (its view of the group differs: it left a generation
+  that never formed, chaos soak seed 21), dropped at once instead of at the timeout;
 - a kept group is taken out of torch's world before the old generation is forgotten (which
   aborts every group it knows), and handed back, under the name its position in the new
   generation's creation order gives it, when Megatron's initialisation asks for it
@@ -170,15 +173,17 @@ def _name(generation: int, key: GroupKey) -> str:
     return f"dp/gen{generation}/keep/{digest}"
 
 
-def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
+def agree(store: Any, generation: int, rank: int, mine: dict[GroupKey, tuple[Any, bool]],
           sockets: dict[int, frozenset[int]], broken: bool,
           superseded: Callable[[], bool] = lambda: False,
           timeout_s: float = AGREE_TIMEOUT_S) -> set[GroupKey]:
     """The candidates every member keeps (see the module's docstring); `store` is the
     worker's SignedStore; `broken`: this rank's spared sockets were cut after all. Every
-    member of a candidate reaches the same verdict. The wait for the others' reports ends
-    at `timeout_s`, or as soon as `superseded()` (a newer generation was declared: some
-    member may never report for this one)."""
+    member of a candidate reaches the same verdict. Called by every member that may keep
+    groups, with candidates or none (its reports are then done at once). The wait for the
+    others' reports ends at `timeout_s`, as soon as `superseded()` (a newer generation
+    was declared: some member may never report for this one), or, for each candidate,
+    once all its members are done."""
     verdict_of: dict[GroupKey, str] = {}
     pending: dict[GroupKey, str] = {}
     table = open_sockets()
@@ -200,6 +205,7 @@ def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
             verdict_of[key] = store.set_once(verdict_key, "keep" if even else "drop")
         else:
             pending[key] = verdict_key
+    store.set(_done(store, generation, rank), "1")
     deadline = time.monotonic() + timeout_s
     while pending and not superseded() and time.monotonic() < deadline:
         try:
@@ -207,10 +213,20 @@ def agree(store: Any, generation: int, mine: dict[GroupKey, tuple[Any, bool]],
             break
         except (dist.DistStoreError, RuntimeError):
             pass  # not all set yet
+        for key, verdict_key in list(pending.items()):
+            if not store.check([verdict_key]) and \
+                    store.check([_done(store, generation, r) for r in key[1]]):
+                verdict_of[key] = store.set_once(verdict_key, "drop")  # some member
+                del pending[key]  # does not name it
     if pending:  # what is still unset is dropped (the first verdict set wins)
         for key, verdict_key in pending.items():
             verdict_of[key] = store.set_once(verdict_key, "drop")
     return {key for key, verdict in verdict_of.items() if verdict == "keep"}
+
+
+def _done(store: Any, generation: int, rank: int) -> str:
+    """The key that says `rank` has reported on all its candidates for `generation`."""
+    return store.secret_name(f"dp/gen{generation}/keep/done/{rank}")
 
 
 def detach(pg: Any) -> Detached:

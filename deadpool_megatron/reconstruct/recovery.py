@@ -159,11 +159,16 @@ class Member(NotWalked):
     def keepable(self, replaced: set[int], flushing: bool) -> dict[GroupKey, tuple[Any, bool]]:
         """The groups this rank may keep (keep.keepable), each with whether it can (its
         connections known and open): every member of such a group names it, so every
-        member reports on it."""
+        member reports on it. A rank leaving a generation that never formed here (a newer
+        one was declared while it formed: the objects still hold an older one's groups,
+        whose connections that interruption cut or is cutting) can keep none."""
         if not self.keeps_groups or flushing:
             return {}
-        return keep.candidates(self.groups.registry, self.groups.sockets, replaced,
-                               self.replica_of)
+        found = keep.candidates(self.groups.registry, self.groups.sockets, replaced,
+                                self.replica_of)
+        if self.groups.bound != self.generation:
+            return {key: (pg, False) for key, (pg, _) in found.items()}
+        return found
 
     @property
     def sizes(self) -> ParallelSizes:
@@ -290,20 +295,23 @@ def leave(member: Member, training: StoppableThread | None,
                              f"being cut ({severed} cut; still open: {open_connections()}), "
                              f"at:\n{where}")
     laps("worker")
-    if keepable:
+    if member.keeps_groups and not flushing:
         # Waiting for peers' reports is no stall (a peer may still be finishing its
         # iteration): bounded by the agreement's timeout, and cut by a newer declaration.
+        # With no candidate too: the peers that name a group with this rank learn that it
+        # does not (its view differs: it left a generation that never formed).
         waiting = member.progress.long_operation(keep.AGREE_TIMEOUT_S) \
             if member.progress is not None else contextlib.nullcontext()
         with waiting:
-            kept = keep.agree(ctl.store, generation, keepable, member.groups.sockets,
-                              broken=past or cut.spared_cut,
+            kept = keep.agree(ctl.store, generation, member.rank, keepable,
+                              member.groups.sockets, broken=past or cut.spared_cut,
                               superseded=lambda: ctl.latest_declared() > generation)
         member.groups.keep(kept)
         laps("agreed")
-        log.info("rank %d: %d of its %d keepable groups kept: %s", member.rank,
-                 len(member.groups.kept), len(keepable),
-                 ", ".join(key[0] for key in member.groups.kept) or "none")
+        if keepable:
+            log.info("rank %d: %d of its %d keepable groups kept: %s", member.rank,
+                     len(member.groups.kept), len(keepable),
+                     ", ".join(key[0] for key in member.groups.kept) or "none")
     forget_groups()
     laps("dropped")
     member.events.emit("abort", generation=member.generation, severed=severed,
@@ -407,6 +415,8 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     if member.sockets_before is None:  # the first generation this worker joins
         member.sockets_before = socket_inodes()
     member.generation = generation  # groups made from here on are this generation's
+    if generation > 0:  # the hang analysis sees it forming this one (control/hang.py); the
+        member.stamp("recovery")  # job's first build is not timed as a recovery step
     member.ctl.watch(generation, lambda newer: interrupt(member))
     if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
                            member.loop.make_groups, laps,
@@ -425,12 +435,19 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
 
 def interrupt(member: Member) -> None:
     """From the watcher thread, on a declaration newer than the generation being formed:
-    fail whatever the main thread waits on (a peer's address in the store, a collective)."""
-    if member.gen_store is not None:
-        member.gen_store.cut()
+    fail whatever the main thread waits on (a peer's address in the store, a collective).
+    The sockets first: the cut lists them before the main thread can wake and make the
+    next generation's (a store wait ends only with the store's cut, after the listing), and
+    passes over any whose number was reused meanwhile (chaos soak seed 21: once leaving
+    took milliseconds, a cut still running shut down the next generation's connections)."""
+    store = member.gen_store  # this generation's (held: its fds stay its own till cut)
+    if store is not None:  # a main thread that wakes first takes a new connection
+        member.ctl.connection_cut()
     # Sockets only: a forming generation's NCCL communicators are not yet used, and the
     # main thread is creating groups meanwhile.
     GenerationCut({member.ctl.port}, member.sockets_before or frozenset(), nccl=False)()
+    if store is not None:
+        store.cut()
 
 
 def rebind(member: Member) -> int:
