@@ -256,3 +256,25 @@ def test_the_coordinator_guesses_no_hung_rank_while_a_member_builds(tmp_path: Pa
         if building:
             assert not coordinator.failed and not coordinator.gone, seq
     assert "w0" in coordinator.gone and "w1" not in coordinator.gone
+
+
+def test_a_rank_that_found_no_recovery_ends_the_epoch_with_its_reason(tmp_path: Path) -> None:
+    """Chaos soak seeds 30 and 44: a rank and its buddy lost together; every rank computes
+    the same plan, finds no snapshot it can stand on, and exits (RecoveryImpossible). Host
+    0 counted those exits as failures and ended with "the in-memory shards of ranks [0, 1,
+    ..., 7] are lost", blaming all eight; it ends with the ranks' own reason instead."""
+    from deadpool_megatron.launch.coordinator import EpochEnded
+
+    store = dist.HashStore()
+    coordinator = _coordinator(store, tmp_path)
+    raw = dist.PrefixStore(keys.epoch_prefix(0), store)
+    signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
+    why = "RecoveryImpossible: no snapshot iteration is held by the buddies of ranks [0, 2]"
+    signed.set(keys.failure_report("w1"), why)
+    signed.set(keys.exit_report("w1"), "3")
+    raw.add(keys.EXITS, 1)
+    with pytest.raises(EpochEnded) as ended:
+        for _ in range(3):
+            coordinator.tick(time.monotonic())
+    assert ended.value.returncode == 3 and ended.value.flush
+    assert why in str(ended.value) and "in-memory shards" not in str(ended.value)

@@ -12,6 +12,11 @@ class RecoveryImpossible(RuntimeError):
     """Hot-swap cannot restore the job; the message names ranks and generation."""
 
 
+# A worker's exit code when the ranks found no recovery together (RecoveryImpossible: the
+# plan every rank computes alike): host 0 ends the epoch with that reason.
+RECOVERY_IMPOSSIBLE_RC = 3
+
+
 @dataclass(frozen=True)
 class Assignment:
     generation: int  # the generation this membership opens

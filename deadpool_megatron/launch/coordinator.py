@@ -18,7 +18,8 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.declaration import Declaration, first_worker
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
-from deadpool_megatron.control.policy import RecoveryImpossible, assign_spares, check_recoverable
+from deadpool_megatron.control.policy import (RECOVERY_IMPOSSIBLE_RC, RecoveryImpossible,
+                                              assign_spares, check_recoverable)
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.metrics.events import EventLog
@@ -64,6 +65,7 @@ class Coordinator:
         self.lost_hosts: set[int] = set()  # their reports stopped
         self.gone: set[str] = set()  # exited, or declared lost (hung, or its host lost)
         self.failed: set[str] = set()
+        self.no_recovery = ""  # why the ranks found no recovery, if one exited so
         self.finished: set[str] = set()  # exited 0: done
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.declare_at = 0.0
@@ -230,6 +232,8 @@ class Coordinator:
         self.failed.add(worker)
         reported = self._reported(worker)
         reason = reported or detail
+        if how == "exit" and returncode == RECOVERY_IMPOSSIBLE_RC and not self.no_recovery:
+            self.no_recovery = reason or f"worker {worker} found no recovery"
         # How it was found, for the reports: an exit after the rank's own error report is
         # that error ("exception"); otherwise the exit, the hang analysis or the host's silence.
         detection = "exception" if how == "exit" and reported else how
@@ -349,6 +353,10 @@ class Coordinator:
             raise EpochEnded(3, f"generation {self.generation}: ranks {sorted(failed_ranks)} "
                                 f"failed and the training script runs without --deadpool "
                                 f"(no hot-swap)")
+        if self.no_recovery:  # the ranks' own verdict: the others exit with it, not as
+            lost = [r for r, w in self.current.items() if w in self.gone]  # failures
+            raise EpochEnded(3, f"generation {self.generation}: the ranks found no "
+                                f"recovery: {self.no_recovery}", flush=True, lost=lost)
         try:
             check_recoverable(self.generation, failed_ranks, self.world, self.rpn,
                               self.allow_same_node, self._replica_sources())

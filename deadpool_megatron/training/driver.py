@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager, Protocol
 
 from deadpool_megatron.control.client import ControlClient, JobShutdown, NotAMember
 from deadpool_megatron.control.failures import caused_by_a_peer
-from deadpool_megatron.control.policy import RecoveryImpossible
+from deadpool_megatron.control.policy import RECOVERY_IMPOSSIBLE_RC, RecoveryImpossible
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
@@ -325,7 +325,7 @@ def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int
     running = member.ledger.entry.iteration if member.ledger.entry is not None else None
     member.events.emit("rank_failed", reason=reason[:300], iteration=running)
     forget_groups()
-    return 3 if isinstance(err, RecoveryImpossible) else 1
+    return RECOVERY_IMPOSSIBLE_RC if isinstance(err, RecoveryImpossible) else 1
 
 
 def exit_now(code: int) -> None:
