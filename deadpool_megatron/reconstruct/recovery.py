@@ -438,8 +438,9 @@ def interrupt(member: Member) -> None:
     fail whatever the main thread waits on (a peer's address in the store, a collective).
     The sockets first: the cut lists them before the main thread can wake and make the
     next generation's (a store wait ends only with the store's cut, after the listing), and
-    passes over any whose number was reused meanwhile (chaos soak seed 21: once leaving
-    took milliseconds, a cut still running shut down the next generation's connections)."""
+    passes over any whose number was reused meanwhile. Leaving takes milliseconds once the
+    agreement ends on its done marks, so a cut still running could otherwise shut down the
+    next generation's connections (a race found reading the code, not seen in a log)."""
     store = member.gen_store  # this generation's (held: its fds stay its own till cut)
     if store is not None:  # a main thread that wakes first takes a new connection
         member.ctl.connection_cut()
