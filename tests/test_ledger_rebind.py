@@ -214,3 +214,34 @@ def test_groups_kept_for_a_generation_that_never_formed_are_retired_once() -> No
     binding.retire(1)  # generation 1 broke while forming: nothing was handed back
     assert binding.handed == {} and binding.kept == []
     assert sum(pg is kept for pg in binding.retired) == 1
+
+
+def test_a_generation_names_its_groups_from_zero_after_a_forming_cut_inside_init() -> None:
+    """Chaos soak seeds 21 and 44: a forming cut inside init_process_group (its peers'
+    addresses never came) left torch's group count at 1 with no default group to destroy
+    (only that resets it). The rank's next generations named their groups "1", "2", ...
+    where their peers named them "0": each waited under its own store prefix, and no
+    generation formed again. join_generation names every generation's groups from zero."""
+    import types
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from deadpool_megatron.config import TrainConfig
+    from deadpool_megatron.reconstruct.groups import join_generation
+
+    with pytest.raises(Exception):  # a peer that never comes: the forming is cut
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2,
+                                timeout=timedelta(seconds=1))
+    assert not dist.is_initialized() and c10d._world.group_count == 1  # torch's own state
+    store = dist.HashStore()
+    ctl = types.SimpleNamespace(take_connection=lambda: (store, []), signed=lambda s: s,
+                                epoch=0, rendezvous=lambda *a, **k: True)
+    names: list[str] = []
+    try:
+        assert join_generation(ctl, 1, 0, 1, TrainConfig(distributed_backend="gloo"),
+                               make_groups=lambda timeout: names.append(
+                                   c10d._get_default_group().group_name))
+        assert names == ["0"]
+    finally:
+        dist.destroy_process_group()

@@ -112,6 +112,12 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
     # slot: a spare keeps its own device whatever rank it takes (integration/device.py).
     job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
+    # torch names the default group and Megatron's (no explicit name) by a process-wide
+    # count, reset only when a default group is destroyed. A forming cut inside
+    # init_process_group had counted one and destroyed none: every later generation of
+    # that rank named its groups apart from its peers', each member waiting for the others
+    # under its own store prefix (chaos soak seeds 21 and 44: no generation formed again).
+    c10d._world.group_count = 0
     dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,
                             world_size=world_size, timeout=rebuild)
     laps("default_group")
