@@ -12,6 +12,7 @@ import sys
 import types
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -227,6 +228,30 @@ class _Parks:
     ident = None  # no thread: the progress monitor has nothing to look at
 
 
+class _Board:
+    """A progress board that records the budgets of the long operations it is asked for."""
+
+    def __init__(self, budgets: list[float]) -> None:
+        self.budgets = budgets
+
+    def long_operation(self, budget_s: float) -> Any:
+        import contextlib
+
+        self.budgets.append(budget_s)
+        return contextlib.nullcontext()
+
+    def watching(self, thread_id: int) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def set_generation(self, generation: int) -> None:
+        pass
+
+    def stamp(self, phase: str, iteration: int) -> None:
+        pass
+
+
 def _inode(sock: socket.socket) -> int:
     return os.fstat(sock.fileno()).st_ino
 
@@ -261,6 +286,8 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
             events=types.SimpleNamespace(emit=lambda *a, **k: None), engine=engine,
             ledger=ledger, injector=None, generation=g)
         member.sockets_before = frozenset(_inode(s) for s in [server])
+        budgets: list[float] = []
+        member.progress = _Board(budgets)
         state = LoopState(iteration=3, consumed_samples=0, objects=None)
         member.state = state
         ledger.on_iteration_start(state)  # iteration 4 began ...
@@ -278,6 +305,10 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
                                 broken, superseded: reported.append(broken) or set())
             assert recovery.leave(member, _Parks()) == g + 1
             assert reported == [not at_barrier]
+            # The agreement's long operation outlasts its timeout: it ends with a fresh
+            # stamp, never by expiring first (chaos soak seed 44: every survivor that
+            # waited out the timeout was seen stalled for all of it, and replaced).
+            assert budgets and min(budgets) > keep.AGREE_TIMEOUT_S + keep.WAIT_SLICE_S
             mine.setblocking(False)
             if at_barrier:
                 with pytest.raises(BlockingIOError):

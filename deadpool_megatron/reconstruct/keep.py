@@ -56,6 +56,10 @@ from deadpool_megatron.reconstruct.rebind import GroupKey
 log = logging.getLogger("deadpool_megatron.reconstruct")
 AGREE_TIMEOUT_S = 10.0  # a member that has not reported by then: its groups are dropped
 WAIT_SLICE_S = 0.1  # the wait for verdicts looks this often for a newer declaration
+# The agreement's long operation (no stall seen inside) outlasts its own timeout, so that it
+# ends with the exit's fresh stamp, never by expiring first: a rank that waited out the
+# timeout was seen stalled for all of it, and every survivor was replaced (chaos soak 44).
+AGREE_BUDGET_S = AGREE_TIMEOUT_S + 5.0
 BROKEN = -1
 OURS = "DEADPOOL_"  # our own groups (snapshot pairs): made again with their pipeline
 BARRIER = "DATA_PARALLEL_REDUCTION_BARRIER"  # keepable like any other group

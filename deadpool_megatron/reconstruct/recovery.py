@@ -300,7 +300,7 @@ def leave(member: Member, training: StoppableThread | None,
         # iteration): bounded by the agreement's timeout, and cut by a newer declaration.
         # With no candidate too: the peers that name a group with this rank learn that it
         # does not (its view differs: it left a generation that never formed).
-        waiting = member.progress.long_operation(keep.AGREE_TIMEOUT_S) \
+        waiting = member.progress.long_operation(keep.AGREE_BUDGET_S) \
             if member.progress is not None else contextlib.nullcontext()
         with waiting:
             kept = keep.agree(ctl.store, generation, member.rank, keepable,
