@@ -333,6 +333,43 @@ def test_gloo_asks_the_store_what_the_model_counts() -> None:
         assert [sum(s.requests.values()) for s in stores] == [gloo_requests(size)] * size
 
 
+def test_the_groups_agreement_asks_the_store_what_the_model_counts() -> None:
+    """keep.agree run by the three members of one candidate group and by a member with
+    none, over one counting store: the requests the model counts (scale/groups.py), the
+    waits at least as many as it counts (a wait that outlasts its slice is followed by
+    checks, more requests, never fewer)."""
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.reconstruct import keep
+    from deadpool_megatron.scale.counting import CountingStore
+    from deadpool_megatron.scale.groups import agreement_requests
+
+    counting = CountingStore(dist.HashStore())
+    store = SignedStore(counting, "token", "t/")
+    key = ("DATA_PARALLEL_GROUP_WITH_CP", (1, 3, 5), 0)
+    verdicts: dict[int, set] = {}
+
+    def member(rank: int) -> None:
+        verdicts[rank] = keep.agree(store, 2, rank, {key: (object(), False)}, {},
+                                    broken=False, timeout_s=60.0)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in (1, 3, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90.0)
+    assert not any(t.is_alive() for t in threads) and verdicts == {1: set(), 3: set(), 5: set()}
+    assert keep.agree(store, 2, 7, {}, {}, broken=False) == set()  # names none
+    calls = counting.calls
+    # Waits and the checks a late verdict causes are timing; the rest is not.
+    exact = sum(n for op, n in calls.items() if op not in ("wait", "check"))
+    model = 3 * agreement_requests([3]) + agreement_requests([])
+    assert exact == model - 3, calls  # the model's three waits, one per member of the group
+    assert calls["wait"] >= 2, calls  # the two that did not set the verdict waited for it
+    assert calls["compare_set"] == 3, calls  # one sets the verdict, two read it
+    assert agreement_requests([3]) == pytest.approx(4 + 2 / 3 + 1 + 1)
+    assert agreement_requests([1, 1]) == 1  # no peer: only the done mark
+
+
 def test_kept_groups_leave_a_members_share_flat_and_local() -> None:
     """Issue 24, item 3, in the harness's accounting: Megatron's own groups at TP 8 x PP 4
     (every rank names them all), the keep policy applied. A member's share of the groups'
@@ -356,7 +393,9 @@ def test_kept_groups_leave_a_members_share_flat_and_local() -> None:
         touched = {r for r in range(world) if coord_of(r, sizes).dp == mine.dp
                    or coord_of(r, sizes).pp == mine.pp}
         assert kept.builders == len(touched), (kept.builders, len(touched))
-        share[world] = kept.nccl
+        # The survivors' agreement: a few requests per candidate, none world-sized.
+        assert 1 < kept.agreement < 8 * len(groups.mine), kept
+        share[world] = kept.nccl + kept.agreement
     assert share[16384] <= 1.5 * share[1024], share
 
 

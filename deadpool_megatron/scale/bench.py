@@ -106,7 +106,9 @@ class ScaleResult:
             "pg_ops_per_member_gloo": gloo,
             "store_ops_per_member_per_recovery_gloo": control + gloo,
             # With the groups no failure touched kept (reconstruct/keep.py: gloo today).
-            "store_ops_per_member_per_recovery_kept": control + self.groups.get("kept_nccl", 0.0),
+            "store_ops_per_member_per_recovery_kept":
+                control + self.groups.get("kept_nccl", 0.0) + self.groups.get("agreement", 0.0),
+            "agreement_ops_per_member_kept": self.groups.get("agreement", 0.0),
             "pg_ops_per_member_nccl_kept": self.groups.get("kept_nccl", 0.0),
             "pg_ops_per_member_gloo_kept": self.groups.get("kept_gloo", 0.0),
             "megatron_groups_per_member": self.groups.get("megatron", 0),
@@ -383,6 +385,7 @@ def run(cfg: ScaleConfig, log: Any = print) -> ScaleResult:
                      "largest": cost.largest, "megatron": len(megatron.mine),
                      "kept_megatron": kept.groups, "kept_builders": kept.builders,
                      "kept_nccl": kept.nccl, "kept_gloo": kept.gloo,
+                     "agreement": kept.agreement,
                      "pair_calls": placement.pair_new_group_calls(cfg.ranks,
                                                                   cfg.ranks_per_host)}
     result.placement_ms = placement.timings(cfg.ranks, cfg.ranks_per_host, cfg.tp, cfg.pp)
@@ -402,6 +405,7 @@ def table(results: list[dict]) -> str:
         ("store requests / member / recovery, groups kept",
          "store_ops_per_member_per_recovery_kept", "{:.1f}"),
         ("  process groups, NCCL, groups kept", "pg_ops_per_member_nccl_kept", "{:.1f}"),
+        ("  the groups' agreement (control plane)", "agreement_ops_per_member_kept", "{:.1f}"),
         ("  (process groups, gloo, groups kept)", "pg_ops_per_member_gloo_kept", "{:.0f}"),
         ("Megatron groups made again / member", "megatron_groups_per_member", "{:.0f}"),
         ("  ... groups kept (mean over members)", "megatron_groups_per_member_kept", "{:.1f}"),

@@ -22,7 +22,8 @@ per-communicator abort), a member makes again only the world, its snapshot pairs
 Megatron groups the policy does not keep: those with the replaced rank and those within
 its replica (and the reduction barrier of its data-parallel group). Their
 share is averaged over every member, from every group Megatron makes (each rank names them
-all).
+all). Keeping costs the survivors the groups' agreement on the control plane's store
+(keep.agree): its requests are counted beside the groups'.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ def nccl_share(size: int) -> float:
 def gloo_requests(size: int) -> int:
     """Store requests of one member at one gloo group's creation (a full mesh)."""
     return 1 + 3 * size
+
+
+def agreement_requests(sizes: list[int]) -> float:
+    """One member's store requests in the groups' agreement (keep.agree) over candidates of
+    `sizes`, each group's last report shared among its members: per candidate of more than
+    one rank three adds (its sum, squares and reports) and the verdict's compare_set (the
+    first sets it, the others read it), and for its last reporter two more adds; then one
+    done mark, and one wait for the verdicts (its last reporter in all its groups waits for
+    none; a wait that outlasts its slice adds checks)."""
+    shared = [s for s in sizes if s > 1]
+    return sum(4 + 2 / s for s in shared) + 1 + (1 if shared else 0)
 
 
 @dataclass(frozen=True)
@@ -112,12 +124,13 @@ class KeptCost:
     # world-sized ones again: the default group, Megatron's distributed-optimizer instance)
     nccl: float  # store requests per member, averaged over the members, NCCL
     gloo: float  # the same, gloo
+    agreement: float  # the groups' agreement's control-plane requests, per member
 
 
 def kept_recovery_groups(world: int, tp: int, pp: int, every: list[tuple[str, tuple[int, ...]]],
                          replaced: int, pair_groups: int) -> KeptCost:
     """A member's share of the groups made again when `replaced` is and the others are
-    kept (keep.keepable)."""
+    kept (keep.keepable), and of the survivors' agreement on keeping them."""
     from deadpool_megatron.reconstruct.keep import keepable
     from deadpool_megatron.topology import ParallelSizes, coord_of, group_members
 
@@ -127,13 +140,20 @@ def kept_recovery_groups(world: int, tp: int, pp: int, every: list[tuple[str, tu
         return coord_of(r, sizes).dp
 
     lost = {replica_of(replaced)}
-    remade = [ranks for desc, ranks in every
-              if not keepable((desc, ranks, 0), {replaced}, replica_of, lost)]
+    remade = []
+    named: dict[int, list[int]] = {r: [] for r in range(world) if r != replaced}
+    for desc, ranks in every:
+        if keepable((desc, ranks, 0), {replaced}, replica_of, lost):
+            for r in ranks:  # a candidate each of its members names in the agreement
+                named[r].append(len(ranks))
+        else:
+            remade.append(ranks)
     remade.append(tuple(group_members(replaced, sizes, "dp")))  # the reduction barrier's
     builders = set().union(*(set(r) for r in remade if 1 < len(r) < world))
     nccl = nccl_share(world) + pair_groups * gloo_requests(2) + \
         sum(len(r) * nccl_share(len(r)) for r in remade) / world
     gloo = gloo_requests(world) + pair_groups * gloo_requests(2) + \
         sum(len(r) * gloo_requests(len(r)) for r in remade) / world
+    agreement = sum(agreement_requests(sizes) for sizes in named.values()) / world
     return KeptCost(groups=sum(len(r) for r in remade) / world, builders=len(builders),
-                    nccl=nccl, gloo=gloo)
+                    nccl=nccl, gloo=gloo, agreement=agreement)
