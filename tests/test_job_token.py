@@ -278,3 +278,28 @@ def test_a_rank_that_found_no_recovery_ends_the_epoch_with_its_reason(tmp_path: 
             coordinator.tick(time.monotonic())
     assert ended.value.returncode == 3 and ended.value.flush
     assert why in str(ended.value) and "in-memory shards" not in str(ended.value)
+
+
+def test_a_worker_that_refused_the_configuration_ends_the_job_with_its_reason(
+        tmp_path: Path) -> None:
+    """A flag hot-swap does not cover (--context-parallel-size 2) is refused by every
+    worker at its start, spares too. Host 0 took each refusal for a rank's failure, gave
+    the spares away one by one, and ended with "start the job with more --spares"; it ends
+    at once with the workers' reason instead, and flushes nothing (nothing was trained)."""
+    from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
+    from deadpool_megatron.launch.coordinator import EpochEnded
+
+    store = dist.HashStore()
+    coordinator = _coordinator(store, tmp_path)
+    raw = dist.PrefixStore(keys.epoch_prefix(0), store)
+    signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
+    why = "HotSwapUnsupported: hot-swap is not verified with --context-parallel-size 2"
+    signed.set(keys.failure_report("w1"), why)
+    signed.set(keys.exit_report("w1"), str(CONFIG_REFUSED_RC))
+    raw.add(keys.EXITS, 1)
+    with pytest.raises(EpochEnded) as ended:
+        for _ in range(3):
+            coordinator.tick(time.monotonic())
+    assert ended.value.returncode == CONFIG_REFUSED_RC and not ended.value.flush
+    assert why in str(ended.value) and "spare" not in str(ended.value)
+    assert coordinator.generation == 0 and coordinator.spares == ["s0.0"]  # none given away

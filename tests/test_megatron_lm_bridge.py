@@ -19,7 +19,7 @@ from deadpool_megatron.integration.megatron_lm import (MegatronLoop, ReenterTrai
                                                        fault_tolerance_hooks, run_train,
                                                        train_config)
 from deadpool_megatron.integration.megatron_lm_elastic import (HotSwapUnsupported,
-                                                               maybe_hot_swap)
+                                                               check_hot_swap, maybe_hot_swap)
 
 
 class Recorder(TrainingHooks):
@@ -293,7 +293,7 @@ def test_hot_swap_without_the_pretrain_wrapper_is_refused_before_training(monkey
 def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
     """maybe_hot_swap (the patched maybe_wrap_for_inprocess_restart's call): Megatron's own
     path without --deadpool or outside deadpool-launch; a clear refusal for what hot-swap
-    in Megatron's loop does not cover."""
+    in Megatron's loop does not cover (check_hot_swap), which ends the job (refuse_job)."""
     def pretrain() -> None:
         pass
 
@@ -301,28 +301,50 @@ def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
     assert maybe_hot_swap(pretrain, plain) is None
     monkeypatch.delenv("DEADPOOL_WORKER_ID", raising=False)
     assert maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True)) is None
-    monkeypatch.setenv("DEADPOOL_WORKER_ID", "w0")
     with pytest.raises(HotSwapUnsupported, match="drop --inprocess-restart"):
-        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, inprocess_restart=True))
+        check_hot_swap(SimpleNamespace(deadpool=True, inprocess_restart=True))
     with pytest.raises(HotSwapUnsupported, match="drop --exit-signal-handler"):
-        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, exit_signal_handler=True))
+        check_hot_swap(SimpleNamespace(deadpool=True, exit_signal_handler=True))
     with pytest.raises(HotSwapUnsupported, match="not verified with --fp8-format, "
                                                  "--tp-comm-overlap, --cuda-graph-impl"):
-        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, fp8="hybrid",
-                                                 tp_comm_overlap=True,
-                                                 cuda_graph_impl="transformer_engine"))
+        check_hot_swap(SimpleNamespace(deadpool=True, fp8="hybrid", tp_comm_overlap=True,
+                                       cuda_graph_impl="transformer_engine"))
     with pytest.raises(HotSwapUnsupported, match="not verified with --use-nccl-ub:"):
-        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, nccl_ub=True, fp8=None,
-                                                 cuda_graph_impl="none"))
+        check_hot_swap(SimpleNamespace(deadpool=True, nccl_ub=True, fp8=None,
+                                       cuda_graph_impl="none"))
+    # Context parallelism: its peers share a replica, which the recovery's counts miss.
+    with pytest.raises(HotSwapUnsupported, match="not verified with --context-parallel-size "
+                                                 "2: .*drop it, or drop --deadpool"):
+        check_hot_swap(SimpleNamespace(deadpool=True, context_parallel_size=2))
+    check_hot_swap(SimpleNamespace(deadpool=True, context_parallel_size=1))
     # A spread replay's share of an iteration, where part of the loss is scaled by the
     # whole iteration's micro-batch or token count.
     with pytest.raises(HotSwapUnsupported, match="spread .* not supported with --num-experts, "
                                                  "--calculate-per-token-loss \\("):
-        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, deadpool_replay="spread",
-                                                 num_experts=4, calculate_per_token_loss=True))
+        check_hot_swap(SimpleNamespace(deadpool=True, deadpool_replay="spread", num_experts=4,
+                                       calculate_per_token_loss=True))
     with pytest.raises(HotSwapUnsupported, match="spread .* not supported with "
                                                  "--mtp-num-layers, --num-layers-per-virtual-"
                                                  "pipeline-stage \\(.*: drop them"):
-        maybe_hot_swap(pretrain, SimpleNamespace(deadpool=True, deadpool_replay="spread",
-                                                 mtp_num_layers=1,
-                                                 num_layers_per_virtual_pipeline_stage=1))
+        check_hot_swap(SimpleNamespace(deadpool=True, deadpool_replay="spread",
+                                       mtp_num_layers=1,
+                                       num_layers_per_virtual_pipeline_stage=1))
+
+
+def test_a_refused_configuration_is_reported_and_ends_the_worker_with_its_code(
+        monkeypatch) -> None:
+    """Under deadpool-launch a refusal is told to host 0 (the worker's failure report) and
+    the worker exits with CONFIG_REFUSED_RC, which ends the job with that reason
+    (tests/test_job_token.py) instead of costing a spare per worker."""
+    from deadpool_megatron.control import client
+    from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
+
+    reported = []
+    fake = SimpleNamespace(worker="w3", report_failure=reported.append)
+    monkeypatch.setattr(client.ControlClient, "from_env", classmethod(lambda cls: fake))
+    monkeypatch.setenv("DEADPOOL_WORKER_ID", "w3")
+    with pytest.raises(SystemExit) as ended:
+        maybe_hot_swap(lambda: None, SimpleNamespace(deadpool=True, context_parallel_size=2))
+    assert ended.value.code == CONFIG_REFUSED_RC
+    assert len(reported) == 1 and reported[0].startswith(
+        "HotSwapUnsupported: hot-swap is not verified with --context-parallel-size 2")

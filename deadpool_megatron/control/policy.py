@@ -15,6 +15,10 @@ class RecoveryImpossible(RuntimeError):
 # A worker's exit code when the ranks found no recovery together (RecoveryImpossible: the
 # plan every rank computes alike): host 0 ends the epoch with that reason.
 RECOVERY_IMPOSSIBLE_RC = 3
+# A worker's exit code when it refused the job's configuration at its start (a flag
+# hot-swap does not cover): every worker, spares too, would refuse it alike, so host 0 ends
+# the job with that reason: no spare taken, no restart.
+CONFIG_REFUSED_RC = 4
 
 
 @dataclass(frozen=True)

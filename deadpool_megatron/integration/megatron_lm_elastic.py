@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, NoReturn
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.spare_loaders import SpareLoaders
@@ -48,9 +48,35 @@ class HotSwapUnsupported(RuntimeError):
 
 def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPretrain | None":
     """The patched `maybe_wrap_for_inprocess_restart`'s call: `pretrain` wrapped for
-    hot-swap under deadpool-launch with --deadpool; None otherwise (Megatron's own path)."""
+    hot-swap under deadpool-launch with --deadpool; None otherwise (Megatron's own path).
+    A configuration hot-swap does not cover ends the job (`refuse_job`)."""
     if not getattr(args, "deadpool", False) or os.environ.get("DEADPOOL_WORKER_ID") is None:
         return None
+    from deadpool_megatron.control.client import ControlClient
+
+    try:
+        check_hot_swap(args)
+    except HotSwapUnsupported as refused:
+        refuse_job(refused, ControlClient.from_env())
+    ctl = ControlClient.from_env()  # joins the control plane now, before any group
+    return HotSwapPretrain(pretrain, ctl)
+
+
+def refuse_job(refused: HotSwapUnsupported, ctl: Any) -> NoReturn:
+    """Every worker refuses the same flags: this one says why to host 0 and exits with
+    CONFIG_REFUSED_RC, which ends the job with that reason (no spare is taken for a refusal
+    that a spare would repeat, and no restart is tried)."""
+    from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
+
+    reason = f"{type(refused).__name__}: {refused}"
+    log.error("worker %s: %s", ctl.worker, reason)
+    ctl.report_failure(reason[:2000])
+    raise SystemExit(CONFIG_REFUSED_RC) from refused
+
+
+def check_hot_swap(args: argparse.Namespace) -> None:
+    """Raise HotSwapUnsupported, naming the flag and what to change, for what hot-swap in
+    Megatron's own loop does not cover."""
     if getattr(args, "inprocess_restart", False):
         raise HotSwapUnsupported("--deadpool under deadpool-launch replaces Megatron's "
                                  "in-process restart: drop --inprocess-restart")
@@ -67,6 +93,15 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
             f"captured CUDA graphs) is not in the snapshot, and the group audit cannot see "
             f"it; drop them, or drop --deadpool (deadpool-launch then restarts the job "
             f"from --save)")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise HotSwapUnsupported(
+            f"hot-swap is not verified with --context-parallel-size {cp}: a recovery counts "
+            f"replicas and their micro-batches by tensor, pipeline and data parallelism "
+            f"only (a context-parallel peer would pass for a replica of its own), and "
+            f"megatron-core's local attention refuses context parallelism, so no CPU "
+            f"rehearsal has run it (TransformerEngine on a GPU is needed); drop it, or drop "
+            f"--deadpool (deadpool-launch then restarts the job from --save)")
     spread_blocked = spread_refusals(args)
     if getattr(args, "deadpool_replay", "local") == "spread" and spread_blocked:
         raise HotSwapUnsupported(
@@ -76,10 +111,6 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
             f"a schedule that needs more micro-batches, or batches that change by "
             f"iteration): drop them, or drop --deadpool-replay spread (the default, local, "
             f"is bit-exact)")
-    from deadpool_megatron.control.client import ControlClient
-
-    ctl = ControlClient.from_env()  # joins the control plane now, before any group
-    return HotSwapPretrain(pretrain, ctl)
 
 
 def spread_refusals(args: argparse.Namespace) -> list[str]:

@@ -18,8 +18,9 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.declaration import Declaration, first_worker
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
-from deadpool_megatron.control.policy import (RECOVERY_IMPOSSIBLE_RC, RecoveryImpossible,
-                                              assign_spares, check_recoverable)
+from deadpool_megatron.control.policy import (CONFIG_REFUSED_RC, RECOVERY_IMPOSSIBLE_RC,
+                                              RecoveryImpossible, assign_spares,
+                                              check_recoverable)
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.metrics.events import EventLog
@@ -66,6 +67,7 @@ class Coordinator:
         self.gone: set[str] = set()  # exited, or declared lost (hung, or its host lost)
         self.failed: set[str] = set()
         self.no_recovery = ""  # why the ranks found no recovery, if one exited so
+        self.refused = ""  # why a worker refused the job's configuration, if one exited so
         self.finished: set[str] = set()  # exited 0: done
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.declare_at = 0.0
@@ -234,6 +236,8 @@ class Coordinator:
         reason = reported or detail
         if how == "exit" and returncode == RECOVERY_IMPOSSIBLE_RC and not self.no_recovery:
             self.no_recovery = reason or f"worker {worker} found no recovery"
+        if how == "exit" and returncode == CONFIG_REFUSED_RC and not self.refused:
+            self.refused = reason or f"worker {worker} refused the job's configuration"
         # How it was found, for the reports: an exit after the rank's own error report is
         # that error ("exception"); otherwise the exit, the hang analysis or the host's silence.
         detection = "exception" if how == "exit" and reported else how
@@ -353,6 +357,9 @@ class Coordinator:
             raise EpochEnded(3, f"generation {self.generation}: ranks {sorted(failed_ranks)} "
                                 f"failed and the training script runs without --deadpool "
                                 f"(no hot-swap)")
+        if self.refused:  # a spare would refuse it too; nothing was trained to flush
+            raise EpochEnded(CONFIG_REFUSED_RC, f"the workers refused the job's "
+                                                f"configuration: {self.refused}")
         if self.no_recovery:  # the ranks' own verdict: the others exit with it, not as
             lost = [r for r, w in self.current.items() if w in self.gone]  # failures
             raise EpochEnded(3, f"generation {self.generation}: the ranks found no "
