@@ -103,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         "chaos_rc": chaos[0].returncode if chaos else None, "out": str(ns.out),
     }
     print(json.dumps(summary, indent=1))
+    # A soak whose injector failed proves nothing, whatever the fingerprint says.
+    injector_ok = bool(chaos) and chaos[0].returncode == 0
     if not summary["fingerprint_match"]:
         print(run.describe(), file=sys.stderr)
-        if chaos:
-            print(chaos[0].stderr[-3000:], file=sys.stderr)
-    return 0 if summary["fingerprint_match"] else 1
+    if chaos and (not summary["fingerprint_match"] or not injector_ok):
+        print(f"deadpool-inject --chaos exited with {chaos[0].returncode}:\n"
+              f"{chaos[0].stderr[-3000:]}", file=sys.stderr)
+    return 0 if summary["fingerprint_match"] and injector_ok else 1
 
 
 if __name__ == "__main__":
