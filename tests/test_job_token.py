@@ -258,26 +258,32 @@ def test_the_coordinator_guesses_no_hung_rank_while_a_member_builds(tmp_path: Pa
     assert "w0" in coordinator.gone and "w1" not in coordinator.gone
 
 
+def _ended_by_an_exit(tmp_path: Path, worker: str, reason: str, returncode: int) -> tuple:
+    """`worker` reports `reason` and exits with `returncode`; host 0's coordinator ticks
+    until the epoch ends: (the EpochEnded, the coordinator)."""
+    from deadpool_megatron.launch.coordinator import EpochEnded
+
+    store = dist.HashStore()
+    coordinator = _coordinator(store, tmp_path)
+    signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
+    signed.set(keys.failure_report(worker), reason)
+    signed.set(keys.exit_report(worker), str(returncode))
+    dist.PrefixStore(keys.epoch_prefix(0), store).add(keys.EXITS, 1)
+    with pytest.raises(EpochEnded) as ended:
+        for _ in range(3):
+            coordinator.tick(time.monotonic())
+    return ended.value, coordinator
+
+
 def test_a_rank_that_found_no_recovery_ends_the_epoch_with_its_reason(tmp_path: Path) -> None:
     """Chaos soak seeds 30 and 44: a rank and its buddy lost together; every rank computes
     the same plan, finds no snapshot it can stand on, and exits (RecoveryImpossible). Host
     0 counted those exits as failures and ended with "the in-memory shards of ranks [0, 1,
     ..., 7] are lost", blaming all eight; it ends with the ranks' own reason instead."""
-    from deadpool_megatron.launch.coordinator import EpochEnded
-
-    store = dist.HashStore()
-    coordinator = _coordinator(store, tmp_path)
-    raw = dist.PrefixStore(keys.epoch_prefix(0), store)
-    signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
     why = "RecoveryImpossible: no snapshot iteration is held by the buddies of ranks [0, 2]"
-    signed.set(keys.failure_report("w1"), why)
-    signed.set(keys.exit_report("w1"), "3")
-    raw.add(keys.EXITS, 1)
-    with pytest.raises(EpochEnded) as ended:
-        for _ in range(3):
-            coordinator.tick(time.monotonic())
-    assert ended.value.returncode == 3 and ended.value.flush
-    assert why in str(ended.value) and "in-memory shards" not in str(ended.value)
+    ended, _ = _ended_by_an_exit(tmp_path, "w1", why, 3)
+    assert ended.returncode == 3 and ended.flush
+    assert why in str(ended) and "in-memory shards" not in str(ended)
 
 
 def test_a_worker_that_refused_the_configuration_ends_the_job_with_its_reason(
@@ -287,19 +293,9 @@ def test_a_worker_that_refused_the_configuration_ends_the_job_with_its_reason(
     the spares away one by one, and ended with "start the job with more --spares"; it ends
     at once with the workers' reason instead, and flushes nothing (nothing was trained)."""
     from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
-    from deadpool_megatron.launch.coordinator import EpochEnded
 
-    store = dist.HashStore()
-    coordinator = _coordinator(store, tmp_path)
-    raw = dist.PrefixStore(keys.epoch_prefix(0), store)
-    signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
     why = "HotSwapUnsupported: hot-swap is not verified with --context-parallel-size 2"
-    signed.set(keys.failure_report("w1"), why)
-    signed.set(keys.exit_report("w1"), str(CONFIG_REFUSED_RC))
-    raw.add(keys.EXITS, 1)
-    with pytest.raises(EpochEnded) as ended:
-        for _ in range(3):
-            coordinator.tick(time.monotonic())
-    assert ended.value.returncode == CONFIG_REFUSED_RC and not ended.value.flush
-    assert why in str(ended.value) and "spare" not in str(ended.value)
+    ended, coordinator = _ended_by_an_exit(tmp_path, "w1", why, CONFIG_REFUSED_RC)
+    assert ended.returncode == CONFIG_REFUSED_RC and not ended.flush
+    assert why in str(ended) and "spare" not in str(ended)
     assert coordinator.generation == 0 and coordinator.spares == ["s0.0"]  # none given away
