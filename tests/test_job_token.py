@@ -23,7 +23,7 @@ from deadpool_megatron.control.auth import (SignedStore, TokenError, read_token_
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.launch.coordinator import Coordinator
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.testing.jobs import REPO, JobResult, run_launched
+from deadpool_megatron.testing.jobs import MEGATRON_GPT, REPO, JobResult, run_launched
 
 TOKEN = "k" * 32
 
@@ -299,3 +299,23 @@ def test_a_worker_that_refused_the_configuration_ends_the_job_with_its_reason(
     assert ended.returncode == CONFIG_REFUSED_RC and not ended.flush
     assert why in str(ended) and "spare" not in str(ended)
     assert coordinator.generation == 0 and coordinator.spares == ["s0.0"]  # none given away
+
+
+@pytest.mark.multiproc
+def test_a_refused_flag_ends_the_launched_job_at_once_with_the_reason(tmp_path: Path) -> None:
+    """The whole path of a refusal (no injector: Megatron's parser, the patched hook, the
+    worker's exit code through the preloaded child, the exit report, host 0): a job with a
+    flag hot-swap refuses ends with CONFIG_REFUSED_RC and the reason, no spare taken."""
+    from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
+
+    args = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size",
+            "2", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
+            "--context-parallel-size", "2", "--deadpool"]
+    run = run_launched(["--nproc-per-node", "2", "--spares", "1", "--logical-nodes", "2"],
+                       args, tmp_path, timeout_s=240, script=MEGATRON_GPT)
+    assert run.returncodes == [CONFIG_REFUSED_RC] and not run.timed_out, run.describe()
+    out = run.logs[0]
+    assert "ending the job: the workers refused the job's configuration: HotSwapUnsupported: " \
+           "hot-swap is not verified with --context-parallel-size 2" in out, run.describe()
+    assert "take their places" not in out and "more --spares" not in out, run.describe()
