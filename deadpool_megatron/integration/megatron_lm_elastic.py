@@ -54,11 +54,11 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
         return None
     from deadpool_megatron.control.client import ControlClient
 
+    ctl = ControlClient.from_env()  # joins the control plane now, before any group
     try:
         check_hot_swap(args)
     except HotSwapUnsupported as refused:
-        refuse_job(refused, ControlClient.from_env())
-    ctl = ControlClient.from_env()  # joins the control plane now, before any group
+        refuse_job(refused, ctl)
     return HotSwapPretrain(pretrain, ctl)
 
 

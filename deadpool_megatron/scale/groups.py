@@ -140,7 +140,7 @@ def kept_recovery_groups(world: int, tp: int, pp: int, every: list[tuple[str, tu
         return coord_of(r, sizes).dp
 
     lost = {replica_of(replaced)}
-    remade = []
+    remade: list[tuple[int, ...]] = []
     named: dict[int, list[int]] = {r: [] for r in range(world) if r != replaced}
     for desc, ranks in every:
         if keepable((desc, ranks, 0), {replaced}, replica_of, lost):
@@ -154,6 +154,6 @@ def kept_recovery_groups(world: int, tp: int, pp: int, every: list[tuple[str, tu
         sum(len(r) * nccl_share(len(r)) for r in remade) / world
     gloo = gloo_requests(world) + pair_groups * gloo_requests(2) + \
         sum(len(r) * gloo_requests(len(r)) for r in remade) / world
-    agreement = sum(agreement_requests(sizes) for sizes in named.values()) / world
+    agreement = sum(agreement_requests(candidates) for candidates in named.values()) / world
     return KeptCost(groups=sum(len(r) for r in remade) / world, builders=len(builders),
                     nccl=nccl, gloo=gloo, agreement=agreement)
