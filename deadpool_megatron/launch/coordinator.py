@@ -354,16 +354,18 @@ class Coordinator:
     def _declare(self) -> None:
         failed_ranks = {r for r, w in self.current.items() if w in self.failed}
         if not self.hot_swap:
-            raise EpochEnded(3, f"generation {self.generation}: ranks {sorted(failed_ranks)} "
-                                f"failed and the training script runs without --deadpool "
-                                f"(no hot-swap)")
+            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,
+                             f"generation {self.generation}: ranks {sorted(failed_ranks)} "
+                             f"failed and the training script runs without --deadpool "
+                             f"(no hot-swap)")
         if self.refused:  # a spare would refuse it too; nothing was trained to flush
             raise EpochEnded(CONFIG_REFUSED_RC, f"the workers refused the job's "
                                                 f"configuration: {self.refused}")
         if self.no_recovery:  # the ranks' own verdict: the others exit with it, not as
             lost = [r for r, w in self.current.items() if w in self.gone]  # failures
-            raise EpochEnded(3, f"generation {self.generation}: the ranks found no "
-                                f"recovery: {self.no_recovery}", flush=True, lost=lost)
+            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,
+                             f"generation {self.generation}: the ranks found no recovery: "
+                             f"{self.no_recovery}", flush=True, lost=lost)
         try:
             check_recoverable(self.generation, failed_ranks, self.world, self.rpn,
                               self.allow_same_node, self._replica_sources())
@@ -372,7 +374,7 @@ class Coordinator:
                                  {s: self.cfg.host_of(s) for s in self.spares})
         except RecoveryImpossible as err:
             lost = [r for r, w in self.current.items() if w in self.gone]
-            raise EpochEnded(3, str(err), flush=True, lost=lost) from None
+            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC, str(err), flush=True, lost=lost) from None
         # Workers wake on the declaration (control/client.py), so it is written after the
         # replaced ranks and the membership (tools read that), before the generation number.
         self.swapped.update(plan.replaced)

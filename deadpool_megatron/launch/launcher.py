@@ -29,6 +29,7 @@ import torch.distributed as dist
 from deadpool_megatron.config import ConfigError, add_arguments, from_namespace
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
+from deadpool_megatron.control.policy import RECOVERY_IMPOSSIBLE_RC
 from deadpool_megatron.control.sockets import is_loopback, store_server
 from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
@@ -40,7 +41,6 @@ from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
 
 log = logging.getLogger("deadpool_megatron.launch")
-RECOVERY_IMPOSSIBLE = 3
 TICK_S = 0.01
 
 
@@ -202,7 +202,7 @@ class Launcher:
         events = EventLog(self.worker_ft.deadpool_events, rank=-1)
         for epoch in range(self.cfg.max_restarts + 1):
             rc = self._run_epoch(epoch, events)
-            if rc != RECOVERY_IMPOSSIBLE or self.save_dir is None \
+            if rc != RECOVERY_IMPOSSIBLE_RC or self.save_dir is None \
                     or epoch == self.cfg.max_restarts or self._stopping:
                 break
             log.warning("deadpool-launch: falling back to the newest durable state under %s "
@@ -234,7 +234,7 @@ class Launcher:
                 coordinator.tick(time.monotonic())
                 self._tick()
         except EpochEnded as end:
-            if end.returncode == RECOVERY_IMPOSSIBLE:
+            if end.returncode == RECOVERY_IMPOSSIBLE_RC:
                 log.error("deadpool-launch: hot-swap impossible: %s", end)
                 events.emit("recovery_impossible", reason=str(end))
             elif end.returncode != 0:
