@@ -351,7 +351,7 @@ def test_a_rank_leaving_a_generation_that_never_formed_reports_every_group_broke
             peer.close()
 
 
-def test_a_candidate_a_member_does_not_name_is_dropped_once_all_are_done() -> None:
+def test_a_candidate_a_member_does_not_name_is_dropped_once_all_are_done(monkeypatch) -> None:
     """Chaos soak seed 21: a rank leaving a generation that never formed named a group of
     an older generation's view (a rank replaced then, not since, is in it); its peer there
     named no such group. It waited for that peer's report until the agreement's timeout,
@@ -363,13 +363,14 @@ def test_a_candidate_a_member_does_not_name_is_dropped_once_all_are_done() -> No
     from deadpool_megatron.control.auth import SignedStore
     from deadpool_megatron.reconstruct import keep
 
+    monkeypatch.setattr(keep, "connected", lambda inodes, table: len(inodes))
     store = SignedStore(dist.HashStore(), "token", "t/")
-    key, pg = ("DATA_PARALLEL_GROUP_WITH_CP", (4, 6), 0), object()
+    key, pg = ("DATA_PARALLEL_GROUP_WITH_CP", (4, 6), 0), _Group(5)
     stop, kept = threading.Event(), []
     # Rank 4 names the group and can keep it; the deadline is far, the end must not be it.
     waiter = threading.Thread(target=lambda: kept.append(keep.agree(
-        store, 2, 4, {key: (pg, False)}, {}, broken=False, superseded=stop.is_set,
-        timeout_s=3600.0)), daemon=True)
+        store, 2, 4, {key: (pg, True)}, {id(pg): frozenset({1})}, broken=False,
+        superseded=stop.is_set, timeout_s=3600.0)), daemon=True)
     waiter.start()
     try:
         waiter.join(1.0)
@@ -380,3 +381,73 @@ def test_a_candidate_a_member_does_not_name_is_dropped_once_all_are_done() -> No
     finally:
         stop.set()
         waiter.join(5.0)
+
+
+class _Group:
+    """A candidate group at sequence number `seq` (all keep.agree asks of a group)."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.seq
+
+
+def _agree_all(monkeypatch, views: dict[int, dict[tuple, int]],
+               broken: frozenset[int] = frozenset()) -> dict[int, set]:
+    """keep.agree run at once by every rank of `views` (rank -> {candidate: its sequence
+    number there}), each group's connections all open; what each rank keeps."""
+    import threading
+
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.reconstruct import keep
+
+    monkeypatch.setattr(keep, "connected", lambda inodes, table: len(inodes))
+    store = SignedStore(dist.HashStore(), "token", "t/")
+    kept: dict[int, set] = {}
+
+    def member(rank: int) -> None:
+        mine, sockets = {}, {}
+        for key, seq in views[rank].items():
+            pg = _Group(seq)
+            mine[key] = (pg, True)
+            sockets[id(pg)] = frozenset(range(len(key[1]) - 1))
+        kept[rank] = keep.agree(store, 3, rank, mine, sockets, broken=rank in broken,
+                                timeout_s=60.0)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in views]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90.0)
+    assert not any(t.is_alive() for t in threads)
+    return kept
+
+
+DP, DP_CP, EXPERT_DP = (("DATA_PARALLEL_GROUP", (0, 2, 4), 0),
+                        ("DATA_PARALLEL_GROUP_WITH_CP", (0, 2, 4), 0),
+                        ("EXPERT_DATA_PARALLEL_GROUP", (0, 2, 4), 0))
+
+
+def test_one_uneven_group_of_a_set_of_ranks_drops_only_itself(monkeypatch) -> None:
+    """The groups of one set of ranks are reported together, each judged alone: rank 4
+    issued one operation more on DP_CP (a reduction it began), so DP_CP alone is dropped,
+    by all three."""
+    even = {DP: 5, DP_CP: 9, EXPERT_DP: 0}
+    kept = _agree_all(monkeypatch, {0: even, 2: even, 4: {**even, DP_CP: 10}})
+    assert kept == {r: {DP, EXPERT_DP} for r in (0, 2, 4)}
+
+
+def test_a_member_whose_connections_were_cut_drops_its_whole_set(monkeypatch) -> None:
+    even = {DP: 5, DP_CP: 9}
+    assert _agree_all(monkeypatch, {0: even, 2: even, 4: even},
+                      broken=frozenset({2})) == {0: set(), 2: set(), 4: set()}
+
+
+def test_a_group_one_member_does_not_name_is_dropped_the_others_kept(monkeypatch) -> None:
+    """Views of a set that differ (a rank that left a generation that never formed names an
+    older generation's group, chaos soak seed 21): what all name alike is kept, the rest
+    dropped by every member that names it, whoever reported first."""
+    even = {DP: 5, DP_CP: 9}
+    kept = _agree_all(monkeypatch, {0: even, 2: {**even, EXPERT_DP: 3}, 4: even})
+    assert kept == {r: {DP, DP_CP} for r in (0, 2, 4)}

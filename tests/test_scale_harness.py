@@ -333,41 +333,61 @@ def test_gloo_asks_the_store_what_the_model_counts() -> None:
         assert [sum(s.requests.values()) for s in stores] == [gloo_requests(size)] * size
 
 
-def test_the_groups_agreement_asks_the_store_what_the_model_counts() -> None:
-    """keep.agree run by the three members of one candidate group and by a member with
-    none, over one counting store: the requests the model counts (scale/groups.py), the
-    waits at least as many as it counts (a wait that outlasts its slice is followed by
-    checks, more requests, never fewer)."""
+class _EvenGroup:
+    """A candidate group whose sequence number is `seq` (keep.agree asks nothing else)."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.seq
+
+
+def test_the_groups_agreement_asks_the_store_what_the_model_counts(monkeypatch) -> None:
+    """keep.agree run by three members over two sets of ranks, {1, 3, 5} (two groups, as
+    Megatron makes several groups of the same ranks) and {1, 3} (one), every group even,
+    then by a member with none, over one counting store: every group kept, and the
+    requests the model counts (scale/groups.py). The members report one after the other,
+    so that who is last in each set is known: the model charges every member a wait and a
+    read, which the last member of all its sets (rank 5) does not make; the waits are
+    timing (a wait that outlasts its slice is followed by checks, more requests)."""
     from deadpool_megatron.control.auth import SignedStore
     from deadpool_megatron.reconstruct import keep
     from deadpool_megatron.scale.counting import CountingStore
     from deadpool_megatron.scale.groups import agreement_requests
 
+    monkeypatch.setattr(keep, "connected", lambda inodes, table: len(inodes))  # all open
     counting = CountingStore(dist.HashStore())
     store = SignedStore(counting, "token", "t/")
-    key = ("DATA_PARALLEL_GROUP_WITH_CP", (1, 3, 5), 0)
-    verdicts: dict[int, set] = {}
-
-    def member(rank: int) -> None:
-        verdicts[rank] = keep.agree(store, 2, rank, {key: (object(), False)}, {},
-                                    broken=False, timeout_s=60.0)
-
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in (1, 3, 5)]
+    dp, dp_cp, tp = (("DATA_PARALLEL_GROUP", (1, 3, 5), 0),
+                     ("DATA_PARALLEL_GROUP_WITH_CP", (1, 3, 5), 0),
+                     ("TENSOR_MODEL_PARALLEL_GROUP", (1, 3), 0))
+    named = {1: [dp, dp_cp, tp], 3: [dp, dp_cp, tp], 5: [dp, dp_cp]}
+    pgs = {dp: _EvenGroup(7), dp_cp: _EvenGroup(12), tp: _EvenGroup(40)}
+    kept: dict[int, set] = {}
+    threads = []
+    for rank, keys in named.items():
+        mine = {key: (pgs[key], True) for key in keys}
+        sockets = {id(pgs[key]): frozenset(range(len(key[1]) - 1)) for key in keys}
+        threads.append(threading.Thread(target=lambda r=rank, m=mine, s=sockets: kept.update(
+            {r: keep.agree(store, 2, r, m, s, broken=False, timeout_s=60.0)}), daemon=True))
+        threads[-1].start()
+        deadline = time.monotonic() + 60.0
+        while not store.check([keep._done(store, 2, rank)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
     for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90.0)
-    assert not any(t.is_alive() for t in threads) and verdicts == {1: set(), 3: set(), 5: set()}
+        t.join(60.0)
+    assert not any(t.is_alive() for t in threads)
+    assert kept == {1: {dp, dp_cp, tp}, 3: {dp, dp_cp, tp}, 5: {dp, dp_cp}}
     assert keep.agree(store, 2, 7, {}, {}, broken=False) == set()  # names none
-    calls = counting.calls
-    # Waits and the checks a late verdict causes are timing; the rest is not.
-    exact = sum(n for op, n in calls.items() if op not in ("wait", "check"))
-    model = 3 * agreement_requests([3]) + agreement_requests([])
-    assert exact == model - 3, calls  # the model's three waits, one per member of the group
-    assert calls["wait"] >= 2, calls  # the two that did not set the verdict waited for it
-    assert calls["compare_set"] == 3, calls  # one sets the verdict, two read it
-    assert agreement_requests([3]) == pytest.approx(4 + 2 / 3 + 1 + 1)
-    assert agreement_requests([1, 1]) == 1  # no peer: only the done mark
+    calls, requests = counting.calls, sum(counting.requests.values())
+    exact = requests - calls["wait"] - calls["check"]
+    model = sum(agreement_requests([key[1] for key in keys]) for keys in named.values())
+    model += agreement_requests([])
+    assert exact == model - 3 - 2, (calls, model)  # three waits; rank 5's read (a multi_get)
+    assert calls["multi_get"] == 2, calls  # ranks 1 and 3 read their verdicts, in one each
+    assert agreement_requests([(1, 3, 5)]) == pytest.approx(2 + 1 / 3 + 1 + 1 + 1)
+    assert agreement_requests([(2,), (4,)]) == 1  # no peer: only the done mark
 
 
 def test_kept_groups_leave_a_members_share_flat_and_local() -> None:

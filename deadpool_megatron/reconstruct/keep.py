@@ -17,14 +17,17 @@ generation's first one, so such a group is dropped. Which groups:
   (the barrier's only until a thread is seen in it);
 - a member whose thread would not stop until its spared sockets were cut too, or whose
   thread was past the reduction's start, reports its candidates broken;
-- each candidate's verdict is agreed in the control-plane store: every member adds its
-  sequence number (or -1, broken) and its square; the last to report checks that all were
-  equal and sets the verdict; a member that waits too long sets "drop" instead (the first
-  verdict set wins: every member reads the same one). Key names carry a tag of the job
-  token (SignedStore.secret_name): no process without it can skew the sums. Each member
-  then marks its reports done: a candidate whose members are all done without a verdict
-  is one some member does not name (its view of the group differs: it left a generation
-  that never formed, chaos soak seed 21), dropped at once instead of at the timeout;
+- each candidate's verdict is agreed in the control-plane store, per set of ranks (a
+  Megatron job has several groups of the same ranks: one report covers them all): the
+  first member to report sets a reference, every candidate it names with its sequence
+  number (or -1, broken); each member sets "drop" on what differs from its own view, then
+  counts itself in; the last one counted sets "keep" on the rest. A member that waits too
+  long sets "drop" instead (the first verdict set wins: every member reads the same one).
+  Key names carry a tag of the job token (SignedStore.secret_name): no process without it
+  can skew the counts. Each member then marks its reports done: a candidate whose members
+  are all done without a verdict is one some member does not report on (its view of the
+  group differs: it left a generation that never formed, chaos soak seed 21), dropped at
+  once instead of at the timeout;
 - a kept group is taken out of torch's world before the old generation is forgotten (which
   aborts every group it knows), and handed back, under the name its position in the new
   generation's creation order gives it, when Megatron's initialisation asks for it
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -172,11 +176,6 @@ def spared(mine: dict[GroupKey, tuple[Any, bool]],
     return frozenset().union(*(sockets[id(pg)] for pg, ok in mine.values() if ok))
 
 
-def _name(generation: int, key: GroupKey) -> str:
-    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
-    return f"dp/gen{generation}/keep/{digest}"
-
-
 def agree(store: Any, generation: int, rank: int, mine: dict[GroupKey, tuple[Any, bool]],
           sockets: dict[int, frozenset[int]], broken: bool,
           superseded: Callable[[], bool] = lambda: False,
@@ -188,44 +187,90 @@ def agree(store: Any, generation: int, rank: int, mine: dict[GroupKey, tuple[Any
     others' reports ends at `timeout_s`, as soon as `superseded()` (a newer generation
     was declared: some member may never report for this one), or, for each candidate,
     once all its members are done."""
-    verdict_of: dict[GroupKey, str] = {}
+    verdict_of: dict[GroupKey, str | None] = {}
     pending: dict[GroupKey, str] = {}
+    sets: dict[tuple[int, ...], dict[GroupKey, int]] = {}
     table = open_sockets()
     for key, (pg, ok) in mine.items():
-        base = _name(generation, key)
         size = len(key[1])
         whole = ok and not broken and connected(sockets[id(pg)], table) == size - 1
         if size == 1:  # no one to agree with
             verdict_of[key] = "keep" if whole else "drop"
-            continue
-        seq = int(pg._get_sequence_number_for_group()) if whole else BROKEN
-        total = store.add(store.secret_name(base + "/sum"), seq)
-        squares = store.add(store.secret_name(base + "/squares"), seq * seq)
-        verdict_key = store.secret_name(base + "/verdict")
-        if store.add(store.secret_name(base + "/reported"), 1) == size:
-            total = store.add(store.secret_name(base + "/sum"), 0)
-            squares = store.add(store.secret_name(base + "/squares"), 0)
-            even = seq >= 0 and total == size * seq and squares == size * seq * seq
-            verdict_of[key] = store.set_once(verdict_key, "keep" if even else "drop")
         else:
-            pending[key] = verdict_key
+            seq = int(pg._get_sequence_number_for_group()) if whole else BROKEN
+            sets.setdefault(tuple(key[1]), {})[key] = seq
+    for ranks, seqs in sets.items():
+        settled, waiting = _report(store, generation, ranks, seqs)
+        verdict_of.update(settled)
+        pending.update(waiting)
     store.set(_done(store, generation, rank), "1")
     deadline = time.monotonic() + timeout_s
     while pending and not superseded() and time.monotonic() < deadline:
         try:
             store.wait(list(pending.values()), timedelta(seconds=WAIT_SLICE_S))
-            break
         except (dist.DistStoreError, RuntimeError):
             pass  # not all set yet
+        else:
+            verdict_of.update(zip(pending, _read(store, list(pending.values()))))
+            pending.clear()
+            break
         for key, verdict_key in list(pending.items()):
             if not store.check([verdict_key]) and \
                     store.check([_done(store, generation, r) for r in key[1]]):
                 verdict_of[key] = store.set_once(verdict_key, "drop")  # some member
                 del pending[key]  # does not name it
-    if pending:  # what is still unset is dropped (the first verdict set wins)
-        for key, verdict_key in pending.items():
-            verdict_of[key] = store.set_once(verdict_key, "drop")
+    for key, verdict_key in pending.items():  # still unset: dropped (the first set wins)
+        verdict_of[key] = store.set_once(verdict_key, "drop")
+    # A verdict that fails verification (not the job's) was never set by a member: dropped.
     return {key for key, verdict in verdict_of.items() if verdict == "keep"}
+
+
+def _report(store: Any, generation: int, ranks: tuple[int, ...], seqs: dict[GroupKey, int]
+            ) -> tuple[dict[GroupKey, str | None], dict[GroupKey, str]]:
+    """This member's report on its candidates among `ranks` (`seqs`: each one's sequence
+    number, or BROKEN): the verdicts it settles, and the verdict keys it must wait for.
+    The first member to report sets the set's reference (every candidate it names, with
+    its sequence number); each member drops what differs from its own view (a sequence
+    number, a candidate one names and the other does not, BROKEN), then counts itself in;
+    the last member counted sets "keep" on the rest. Its drops precede its count, so the
+    last member's "keep" can only fall on candidates no member found uneven."""
+    base = _set_name(generation, ranks)
+    view = {(key[0], key[2]): seq for key, seq in seqs.items()}
+    reference = store.set_once(store.secret_name(base + "/first"),
+                               json.dumps(sorted([d, o, s] for (d, o), s in view.items())))
+    try:
+        first = {(str(d), int(o)): int(s) for d, o, s in json.loads(reference or "[]")}
+    except (ValueError, TypeError):  # not a member's reference: nothing matches it
+        first = {}
+    uneven = {e for e, seq in view.items() if seq == BROKEN or first.get(e) != seq}
+    uneven |= set(first) - set(view)
+    settled: dict[GroupKey, str | None] = {}
+    for desc, ordinal in sorted(uneven):
+        key = (desc, ranks, ordinal)
+        verdict = store.set_once(_verdict(store, generation, key), "drop")
+        if key in seqs:
+            settled[key] = verdict
+    if store.add(store.secret_name(base + "/reports"), 1) == len(ranks):
+        for key in seqs:
+            settled[key] = store.set_once(_verdict(store, generation, key), "keep")
+    return settled, {key: _verdict(store, generation, key) for key in seqs
+                     if key not in settled}
+
+
+def _read(store: Any, keys: list[str]) -> list[str | None]:
+    """Verdicts known to be set: one request for one, two (a multi_get) for more."""
+    values = [store.read_set(keys[0])] if len(keys) == 1 else store.read_many(keys)
+    return [None if value is None else value.decode() for value in values]
+
+
+def _set_name(generation: int, ranks: tuple[int, ...]) -> str:
+    digest = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+    return f"dp/gen{generation}/keep/set/{digest}"
+
+
+def _verdict(store: Any, generation: int, key: GroupKey) -> str:
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    return store.secret_name(f"dp/gen{generation}/keep/{digest}/verdict")
 
 
 def _done(store: Any, generation: int, rank: int) -> str:

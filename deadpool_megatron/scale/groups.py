@@ -28,6 +28,7 @@ all). Keeping costs the survivors the groups' agreement on the control plane's s
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 
@@ -47,15 +48,18 @@ def gloo_requests(size: int) -> int:
     return 1 + 3 * size
 
 
-def agreement_requests(sizes: list[int]) -> float:
+def agreement_requests(candidates: list[tuple[int, ...]]) -> float:
     """One member's store requests in the groups' agreement (keep.agree) over candidates of
-    `sizes`, each group's last report shared among its members: per candidate of more than
-    one rank three adds (its sum, squares and reports) and the verdict's compare_set (the
-    first sets it, the others read it), and for its last reporter two more adds; then one
-    done mark, and one wait for the verdicts (its last reporter in all its groups waits for
-    none; a wait that outlasts its slice adds checks)."""
-    shared = [s for s in sizes if s > 1]
-    return sum(4 + 2 / s for s in shared) + 1 + (1 if shared else 0)
+    these ranks: per set of more than one rank, the reference's compare_set and the count's
+    add, and the last member's "keep" on each of the set's k candidates, shared among its s
+    members (k / s); then one done mark, one wait for the verdicts and their read (one
+    request for one verdict, a multi_get's two for more). Counted for every member: the
+    last member of all its sets waits for and reads none (rare with several sets); a wait
+    that outlasts its slice adds checks."""
+    sets = collections.Counter(ranks for ranks in candidates if len(ranks) > 1)
+    shared = sum(sets.values())
+    requests = sum(2 + k / len(ranks) for ranks, k in sets.items()) + 1
+    return requests + (1 + (1 if shared == 1 else 2) if shared else 0)
 
 
 @dataclass(frozen=True)
@@ -141,11 +145,11 @@ def kept_recovery_groups(world: int, tp: int, pp: int, every: list[tuple[str, tu
 
     lost = {replica_of(replaced)}
     remade: list[tuple[int, ...]] = []
-    named: dict[int, list[int]] = {r: [] for r in range(world) if r != replaced}
+    named: dict[int, list[tuple[int, ...]]] = {r: [] for r in range(world) if r != replaced}
     for desc, ranks in every:
         if keepable((desc, ranks, 0), {replaced}, replica_of, lost):
             for r in ranks:  # a candidate each of its members names in the agreement
-                named[r].append(len(ranks))
+                named[r].append(ranks)
         else:
             remade.append(ranks)
     remade.append(tuple(group_members(replaced, sizes, "dp")))  # the reduction barrier's
