@@ -104,6 +104,26 @@ def test_the_gil_held_for_20_s_in_a_durable_save_is_no_hang(
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_stopped_inside_a_durable_save_is_found_and_replaced(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 2 stops itself (SIGSTOP) inside megatron.core.dist_checkpointing.save while
+    every other rank waits for it in the save's collectives: a save is a declared long
+    operation (1,800 s), but a stopped process does no slow work, so rank 2 is found at
+    the 3 s progress timeout, the one culprit, certain; the others leave the save, a spare
+    takes rank 2, and the run ends bit-exact (before, its host left it out of every report
+    and the job waited for the save's budget: chaos soak seed 108 with --save)."""
+    run, events = _launch(tmp_path, ["--deadpool-progress-timeout", "3", "--save",
+                                     str(tmp_path / "ckpt"), "--save-interval", "4"],
+                          env={MEGATRON_FAULT: "stop rank=2 at=save call=1"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "test fault: stop in save" in run.output
+    assert _declared(events) == [[2]], run.describe()
+    (verdict,) = [e for e in events if e["event"] == "hang_localized"]
+    assert verdict["culprits"] == ["w2"] and verdict["certain"], verdict
+    assert verdict["why"]["w2"] == "stopped by a signal", verdict
+
+
+@pytest.mark.fault_matrix
 def test_a_rank_killed_while_the_next_generation_creates_its_groups(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """Rank 3 dies between the default group and Megatron's groups of generation 1: its

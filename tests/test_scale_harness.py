@@ -430,10 +430,12 @@ def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
                 "long": long_, "to": 20.0, "itn": 1.0, "os": os_state}
 
     views = {"w0": view(), "w1": view(st=11.0), "w2": view(os_state="T"),
-             "w3": view(mon=5.0), "w4": view(st=9.0), "w5": view(st=30.0, long_=True)}
+             "w3": view(mon=5.0), "w4": view(st=9.0), "w5": view(st=30.0, long_=True),
+             "w6": view(os_state="T", long_=True)}  # stopped inside a durable save
     report = host_report(4, views)
     assert report["seq"] == 4
-    assert sorted(report["workers"]) == ["w1", "w2", "w3"]
+    assert sorted(report["workers"]) == ["w1", "w2", "w3", "w6"]
     assert report["workers"]["w1"] == views["w1"]
     assert report["it"] == {w: [2, 7] for w in views}
+    assert report["long"] == ["w5", "w6"]
     assert report["long"] == ["w5"]

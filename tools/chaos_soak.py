@@ -8,7 +8,10 @@ run without failures.
 
 Spares are not replenished (a spare that took a rank is a rank from then on), so the job gets
 as many spares as faults may be injected. Faults come one at a time: the next waits until
-the job has recovered and made --quiet-iterations more. It prints a JSON summary (faults
+the job has recovered and made --quiet-iterations more. Faults close together can end
+hot-swap by design (a rank and its buddy lost in one declaration, spares run out); with
+--save-interval the job writes durable checkpoints and falls back to the newest durable
+state then, so that every run must end with the failure-free fingerprint. It prints a JSON summary (faults
 injected by action, recoveries, wall time, both fingerprints) and exits 0 only if the
 fingerprints match; the chaos log (--out/chaos.jsonl) replays the same faults with
 `deadpool-inject --replay`.
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-iterations", type=int, default=3)
     p.add_argument("--progress-timeout", type=float, default=3.0,
                    help="the job's --deadpool-progress-timeout (how soon a hang is found)")
+    p.add_argument("--save-interval", type=int, default=0,
+                   help="give the job --save (under --out) with this --save-interval, so that "
+                        "where hot-swap is impossible it falls back to the newest durable "
+                        "state; 0: no --save, such an ending fails the soak")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per job")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "chaos_soak")
     ns = p.parse_args(argv)
@@ -74,20 +81,23 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True, text=True, timeout=ns.timeout + 60, cwd=REPO))
 
     events = job_dir / "events"
+    save = ["--save", str(job_dir / "ckpt"), "--save-interval", str(ns.save_interval)] \
+        if ns.save_interval > 0 else []
     t_job = time.monotonic()
     run = run_launched(
         ["--nproc-per-node", str(NPROC), "--spares", str(ns.faults), "--logical-nodes", "2",
-         "--job-token-file", str(token)],
+         "--job-token-file", str(token), "--max-restarts", str(ns.faults if save else 0)],
         [*model, "--deadpool", "--deadpool-events", str(events),
-         "--deadpool-progress-timeout", str(ns.progress_timeout)],
+         "--deadpool-progress-timeout", str(ns.progress_timeout), *save],
         job_dir, timeout_s=ns.timeout, env={"DEADPOOL_CONTROL_TIMEOUT_S": "120"},
         on_port=inject)
     job_s = time.monotonic() - t_job
     injected = [json.loads(line) for line in chaos_log.read_text().splitlines()] \
         if chaos_log.exists() else []
     host0 = Path(f"{events}.rank-1")
-    declared = [json.loads(line) for line in host0.read_text().splitlines()
-                if '"generation_declared"' in line] if host0.exists() else []
+    host0_events = [json.loads(line) for line in host0.read_text().splitlines()] \
+        if host0.exists() else []
+    declared = [e for e in host0_events if e["event"] == "generation_declared"]
     summary = {
         "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
         "faults_injected": len(injected),
@@ -96,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"{r['iteration']})" for r in injected],
         "recoveries": len(declared),
         "ranks_replaced": sum(len(d["failed_ranks"]) for d in declared),
+        "hot_swap_impossible": [e["reason"] for e in host0_events
+                                if e["event"] == "recovery_impossible"],
+        "restarts": sum(e["event"] == "checkpoint_fallback" for e in host0_events),
         "job_ok": run.ok, "job_wall_s": round(job_s, 1),
         "total_wall_s": round(time.monotonic() - t0, 1),
         "fingerprint_reference": reference.fingerprint, "fingerprint_job": run.fingerprint,

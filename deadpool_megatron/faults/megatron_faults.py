@@ -15,6 +15,8 @@ that started as that rank (a spare taking the rank later is not affected):
                                         backward of Megatron's tensor-parallel linear
     "gil rank=2 at=save seconds=20"     the thread holds the GIL for that long inside
                                         megatron.core.dist_checkpointing.save (a long C call)
+    "stop rank=2 at=save"               the process stops itself (SIGSTOP: frozen, as by a
+                                        debugger or a cgroup freeze) inside that save
 
 `call=N` fires at the Nth call of the patched function in this process (1-based), so a
 test picks the iteration and micro-batch: TransformerLayer.forward runs once per layer of
@@ -38,7 +40,7 @@ CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 @dataclass(frozen=True)
 class MegatronFault:
-    action: str  # raise, kill, block, gil
+    action: str  # raise, kill, block, gil, stop
     rank: int
     at: str  # forward, backward, save
     call: int = 1
@@ -76,6 +78,8 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
                 threading.Event().wait()  # forever; the GIL is released
             if fault.action == "gil":
                 _hold_gil(fault.seconds)
+            if fault.action == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
         return fn(*args, **kwargs)
 
     return wrapper
