@@ -438,4 +438,3 @@ def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
     assert report["workers"]["w1"] == views["w1"]
     assert report["it"] == {w: [2, 7] for w in views}
     assert report["long"] == ["w5", "w6"]
-    assert report["long"] == ["w5"]
