@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deadpool_megatron.testing.jobs import (GPT_3D_ARGS, job_token_file, run_job,  # noqa: E402
-                                            run_launched)  # noqa: E402
+from deadpool_megatron.testing.jobs import (GPT_3D_ARGS, MEGATRON_GPT,  # noqa: E402
+                                            PRETRAIN_GPT, job_token_file, run_job,
+                                            run_launched)
 
 MODEL = GPT_3D_ARGS  # the tests' 8-rank TP2 x PP2 x DP2 job
 NPROC = 8
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=3,
                    help="3 draws 2 kills, 1 hang and 3 exceptions among the first six")
     p.add_argument("--actions", default="kill,hang,raise")
+    p.add_argument("--loop", choices=("megatron", "reduced"), default="reduced",
+                   help="megatron: pretrain_scripts/pretrain_gpt.py (Megatron-LM's pretrain(), "
+                        "what users run); reduced: the test suite's reduced loop")
     p.add_argument("--quiet-iterations", type=int, default=3)
     p.add_argument("--progress-timeout", type=float, default=3.0,
                    help="the job's --deadpool-progress-timeout (how soon a hang is found)")
@@ -58,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "chaos_soak")
     ns = p.parse_args(argv)
     model = [*MODEL, "--train-iters", str(ns.iters)]
+    script = MEGATRON_GPT if ns.loop == "megatron" else PRETRAIN_GPT
     t0 = time.monotonic()
-    reference = run_job(NPROC, model, ns.out / "reference", timeout_s=ns.timeout)
+    reference = run_job(NPROC, model, ns.out / "reference", timeout_s=ns.timeout,
+                        script=script)
     if not reference.ok:
         print(reference.describe(), file=sys.stderr)
         return 1
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         [*model, "--deadpool", "--deadpool-events", str(events),
          "--deadpool-progress-timeout", str(ns.progress_timeout), *save],
         job_dir, timeout_s=ns.timeout, env={"DEADPOOL_CONTROL_TIMEOUT_S": "120"},
-        on_port=inject)
+        on_port=inject, script=script)
     job_s = time.monotonic() - t_job
     injected = [json.loads(line) for line in chaos_log.read_text().splitlines()] \
         if chaos_log.exists() else []
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if host0.exists() else []
     declared = [e for e in host0_events if e["event"] == "generation_declared"]
     summary = {
-        "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
+        "loop": ns.loop, "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
         "faults_injected": len(injected),
         "by_action": dict(Counter(r["spec"].split()[0] for r in injected)),
         "faults": [f"{r['spec']} (worker {','.join(r['workers'])}, iteration "
