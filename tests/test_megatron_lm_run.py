@@ -178,11 +178,14 @@ def test_megatrons_train_entered_again_after_a_restore_from_the_buddy_is_bit_ide
     iteration 2 is computed twice, and the run ends as the run without it."""
     run = plain
     events = tmp_path / "events"
+    # Megatron's saves too (they copy and pickle args, which once held the hooks' locks).
     job = run_job(8, [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-ranks-per-node", "4",
-                      "--deadpool-events", str(events), "--deadpool-verify-restore-at", "2"],
+                      "--deadpool-events", str(events), "--deadpool-verify-restore-at", "2",
+                      "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
                   tmp_path / "rewind", timeout_s=400, script=patched_tree / "pretrain_gpt.py",
                   env=ENV)
     assert job.ok, job.describe()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert ("restore check: snapshot 1 from the buddy, iteration 2 again: Megatron's "
             "train() entered again at iteration 1 (8 samples consumed)") in job.output, \
         job.describe()
@@ -295,12 +298,15 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
     tensors, no dataset rebuilt) and only rebind their groups; the replica that lost
     nothing keeps its gradients; each rank recomputes exactly the micro-batches the plan
     counted lost; the run ends with the failure-free fingerprint. Run as users run it:
-    pretrain_scripts/pretrain_gpt.py, its CPU switches left to the script's defaults."""
+    pretrain_scripts/pretrain_gpt.py, its CPU switches left to the script's defaults; with
+    Megatron's durable saves after iterations 2 and 4, each after a recovery (a save
+    copies and pickles Megatron's args, which once held the hot-swap session's locks)."""
     run = plain
     job, events = _hot_swap(tmp_path, MEGATRON_GPT, [
         "kill rank=5 iter=1 phase=forward", "kill rank=2 iter=2 phase=backward",
         "kill rank=6 iter=3 phase=reduction", "kill rank=1 iter=4 phase=optimizer"], spares=4,
-        cpu_flags=[])
+        cpu_flags=[], extra=["--save", str(tmp_path / "ckpt"), "--save-interval", "2"])
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert "no CUDA: added the defaults --transformer-impl local" in job.output
     # Each spare built the datasets while it waited, and pretrain() took them.
     took = [log.name for log in (tmp_path / "launch" / "workers" / "epoch0").glob("s*.log")

@@ -19,7 +19,8 @@ the fault-tolerance layer. The hook points land in Megatron's loop as in ours:
 The patched pretrain() calls train() through `run_train`, which can leave train() and enter
 it again at a restored iteration (`ReenterTrain`): the way back into Megatron's own loop
 after its state was restored from a snapshot. The hooks, the snapshot engine with them, stay
-the same across entries (`args.deadpool_hooks`). Under deadpool-launch, hot-swap parks the
+the same across entries (`live.HOOKS`, not on args: Megatron's saves copy and pickle
+args). Under deadpool-launch, hot-swap parks the
 training thread in `run_train` between generations and enters train() again there
 (megatron_lm_elastic.MegatronSession), with each generation's hooks.
 """
@@ -37,7 +38,7 @@ from typing import Any, Callable, Sequence
 from deadpool_megatron.config import ConfigError, TrainConfig, add_arguments, from_namespace
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import HookChain, LoopState, TrainingHooks
-from deadpool_megatron.integration import ddp_overlap
+from deadpool_megatron.integration import ddp_overlap, live
 from deadpool_megatron.integration.megatron_data import (data_iterator_at, evaluated,
                                                          validation_at)
 from deadpool_megatron.reconstruct.rebind import NotWalked
@@ -87,7 +88,7 @@ def fault_tolerance_hooks(args: argparse.Namespace) -> list[TrainingHooks]:
     if os.environ.get("DEADPOOL_WORKER_ID") is not None:
         from deadpool_megatron.integration.megatron_lm_elastic import HotSwapUnsupported
 
-        # The hot-swap wrapper sets args.deadpool_hooks; it is not there.
+        # The hot-swap wrapper sets the session (live.SESSION); it is not there.
         raise HotSwapUnsupported(
             "--deadpool under deadpool-launch (hot-swap) needs pretrain() wrapped as upstream "
             "pretrain_gpt.py does: `pretrain, store = inprocess_restart."
@@ -149,10 +150,8 @@ def run_train(train: Callable, datasets_provider: Callable, *args: Any, **kwargs
     with --deadpool (hot-swap, megatron_lm_elastic.py) the training thread parks here
     between generations; anywhere else, train() is entered again whenever a hook raises
     ReenterTrain (--deadpool-verify-restore-at)."""
-    from megatron.training import get_args
-
     call = inspect.signature(train).bind(*args, **kwargs)
-    session = getattr(get_args(), "deadpool_session", None)
+    session = live.SESSION.get()
     if session is not None:
         return session.run_train(train, call)
     return enter_train(train, call)
@@ -286,19 +285,19 @@ class MegatronLoop(NotWalked):
         """Called by the patched train(), before its while loop (each entry, run_train)."""
         from deadpool_megatron.integration.model import TrainingObjects
 
-        session = getattr(args, "deadpool_session", None)
+        session = live.SESSION.get()
         if session is not None:  # hot-swap: the worker's state, this generation's hooks
             loop = cls([*session.hooks(), *extra_hooks], session.member.state, config,
                        session.work, session.accumulated, args)
             loop.hooks.on_train_start(loop.state)
             return loop
-        hooks = getattr(args, "deadpool_hooks", None)
-        if hooks is None:  # the first entry; a re-entry (run_train) keeps them
+        owner, hooks = live.HOOKS.get() or (None, None)
+        if owner is not args:  # the first entry; a re-entry (run_train) keeps them
             try:
                 hooks = [*fault_tolerance_hooks(args), *extra_hooks]
             except ConfigError as err:
                 raise SystemExit(f"error: {err}") from None
-            args.deadpool_hooks = hooks
+            live.HOOKS.set((args, hooks))
         state = LoopState(iteration=iteration,
                           consumed_samples=int(getattr(args, "consumed_train_samples", 0)),
                           valid_consumed=int(getattr(args, "consumed_valid_samples", 0) or 0),

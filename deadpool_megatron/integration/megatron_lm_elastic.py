@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any, Callable, ContextManager, NoReturn
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
+from deadpool_megatron.integration import live
 from deadpool_megatron.integration.spare_loaders import SpareLoaders
 from deadpool_megatron.reconstruct.rebind import NotWalked
 
@@ -309,13 +310,13 @@ class MegatronLmLoop:
         if thread.spare:  # its state comes from its buddy: no checkpoint to read alone
             margs.load = None
         startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
-        margs.deadpool_session = MegatronSession(member, thread, startup)
+        hot_swap = live.session(MegatronSession(member, thread, startup))
         loaders, self.loaders = self.loaders, SpareLoaders({})  # for this build alone
         if not thread.spare:  # building with every rank: over datasets of its own
             loaders.close()
         try:
             args, kwargs = self._pretrain_args(thread.spare)
-            with on_parsed_arguments(), loaders.handed_over():
+            with on_parsed_arguments(), loaders.handed_over(), hot_swap:
                 self.result = self.pretrain(*args, **kwargs)
         finally:
             startup.close()
@@ -349,7 +350,7 @@ class MegatronLmLoop:
 
 class MegatronSession(NotWalked):
     """What the patched pretrain()'s `run_train` and `MegatronLoop.start` reach under
-    hot-swap (`args.deadpool_session`): the member, its training thread, the replay's
+    hot-swap (`live.SESSION`): the member, its training thread, the replay's
     work, and the running iteration's micro-batch outputs (kept with its gradients)."""
 
     def __init__(self, member: Any, thread: Any, startup: Any) -> None:
