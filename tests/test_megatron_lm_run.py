@@ -344,6 +344,22 @@ def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
 
 
 @pytest.mark.fault_matrix
+def test_a_slow_save_in_megatrons_loop_is_no_hang(plain, tmp_path: Path) -> None:
+    """Megatron's own save in its train() takes 8 s longer on rank 2 (a slow file system),
+    every other rank waiting for it there, under a 3 s progress timeout: the save is a
+    declared long operation, so nothing is declared (before, every rank was taken for hung
+    in it and the job ended: chaos soak --loop megatron --save-interval 4)."""
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, [], spares=1, cpu_flags=[],
+                            extra=["--deadpool-progress-timeout", "3", "--save",
+                                   str(tmp_path / "ckpt"), "--save-interval", "2"],
+                            env={MEGATRON_FAULT: "sleep rank=2 at=save call=1 seconds=8"})
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert "test fault: sleep in save" in job.output
+    assert not [e for e in events if e["event"] in ("failure_detected", "hang_localized")]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+@pytest.mark.fault_matrix
 def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
         patched_tree: Path, plain_features: JobResult, corpus: list[str],
         tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ that started as that rank (a spare taking the rank later is not affected):
                                         megatron.core.dist_checkpointing.save (a long C call)
     "stop rank=2 at=save"               the process stops itself (SIGSTOP: frozen, as by a
                                         debugger or a cgroup freeze) inside that save
+    "sleep rank=2 at=save seconds=8"    that save takes this much longer on the rank (a slow
+                                        file system; the GIL released), its peers waiting
 
 `call=N` fires at the Nth call of the patched function in this process (1-based), so a
 test picks the iteration and micro-batch: TransformerLayer.forward runs once per layer of
@@ -40,7 +42,7 @@ CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 @dataclass(frozen=True)
 class MegatronFault:
-    action: str  # raise, kill, block, gil, stop
+    action: str  # raise, kill, block, gil, stop, sleep
     rank: int
     at: str  # forward, backward, save
     call: int = 1
@@ -80,6 +82,8 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
                 _hold_gil(fault.seconds)
             if fault.action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if fault.action == "sleep":
+                time.sleep(fault.seconds)
         return fn(*args, **kwargs)
 
     return wrapper

@@ -8,9 +8,10 @@ checkpoint interrupted mid-save is never picked up).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -87,6 +88,30 @@ def results_in_process() -> bool:
 
 
 LONG_OPERATION_S = 1800.0  # a save or load is not taken for a hang for this long
+
+
+@contextlib.contextmanager
+def megatron_saves_declared(long_operation: Callable[[float], ContextManager]
+                            ) -> Iterator[None]:
+    """While inside, Megatron's own saves in its train() (`save_checkpoint_and_time`: the
+    interval's, the exit's) are declared long operations, as the Checkpointer declares
+    ours: a save outlasts a short progress timeout (8 ranks on 2 cores: over 3 s; at scale,
+    minutes), and every rank in it was taken for hung (chaos soak --loop megatron with
+    --save-interval)."""
+    import megatron.training.training as training
+
+    real = training.save_checkpoint_and_time
+
+    @functools.wraps(real)
+    def save_checkpoint_and_time(*args: Any, **kwargs: Any) -> Any:
+        with long_operation(LONG_OPERATION_S):
+            return real(*args, **kwargs)
+
+    training.save_checkpoint_and_time = save_checkpoint_and_time
+    try:
+        yield
+    finally:
+        training.save_checkpoint_and_time = real
 
 
 class Checkpointer:

@@ -37,6 +37,7 @@ from typing import Any, Callable, ContextManager, NoReturn
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration import live
+from deadpool_megatron.integration.checkpoint import megatron_saves_declared
 from deadpool_megatron.integration.spare_loaders import SpareLoaders
 from deadpool_megatron.reconstruct.rebind import NotWalked
 
@@ -311,12 +312,14 @@ class MegatronLmLoop:
             margs.load = None
         startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
         hot_swap = live.session(MegatronSession(member, thread, startup))
+        saves = megatron_saves_declared(member.progress.long_operation) \
+            if member.progress is not None else contextlib.nullcontext()
         loaders, self.loaders = self.loaders, SpareLoaders({})  # for this build alone
         if not thread.spare:  # building with every rank: over datasets of its own
             loaders.close()
         try:
             args, kwargs = self._pretrain_args(thread.spare)
-            with on_parsed_arguments(), loaders.handed_over(), hot_swap:
+            with on_parsed_arguments(), loaders.handed_over(), hot_swap, saves:
                 self.result = self.pretrain(*args, **kwargs)
         finally:
             startup.close()
