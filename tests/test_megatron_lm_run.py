@@ -360,6 +360,36 @@ def test_a_slow_save_in_megatrons_loop_is_no_hang(plain, tmp_path: Path) -> None
 
 
 @pytest.mark.fault_matrix
+def test_a_kill_during_megatrons_save_waits_for_a_survivor_still_writing(
+        plain, tmp_path: Path) -> None:
+    """Rank 5 is killed while rank 2 writes its part of Megatron's save after iteration 2
+    (15 s longer: a slow file system; longer than an intact replica's grace and the 5 s
+    given a stopping thread, together). Rank 2's training thread is inside a durable save,
+    so its recovery waits for it to stop (at the save's next collective, which the cut
+    fails) instead of giving it 5 s and leaving the job too (before: every survivor still
+    in the save left, and the job ended; chaos soak --loop megatron). One declaration,
+    rank 5's; the run ends bit-exact, the save after iteration 4 committed."""
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
+        tmp_path / "launch" / "workers" / "epoch0" / "w2.log", "test fault: sleep in save",
+        "w5", stop, killed))
+    killer.start()
+    try:
+        job, events = _hot_swap(tmp_path, MEGATRON_GPT, [], spares=1, cpu_flags=[],
+                                extra=["--save", str(tmp_path / "ckpt"), "--save-interval",
+                                       "2"],
+                                env={MEGATRON_FAULT: "sleep rank=2 at=save call=1 seconds=15"})
+    finally:
+        stop.set()
+        killer.join(5)
+    assert killed, job.describe()
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared == [[5]], job.describe()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+@pytest.mark.fault_matrix
 def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
         patched_tree: Path, plain_features: JobResult, corpus: list[str],
         tmp_path: Path) -> None:

@@ -124,6 +124,7 @@ class ProgressBoard:
         os.rename(aside, path)  # whole, at once: a reader never maps a short file
         self.training_thread: int | None = None
         self._stop = threading.Event()
+        self._save_until = 0.0  # durable_save
 
     @classmethod
     def from_env(cls, timeout_s: float | None) -> "ProgressBoard | None":
@@ -147,6 +148,22 @@ class ProgressBoard:
     def iteration_took(self, seconds: float) -> None:
         current = self._words[self._index["iteration_ns"]]
         self._set(iteration_ns=max(current, int(seconds * 1e9)))
+
+    @contextlib.contextmanager
+    def durable_save(self, budget_s: float) -> Iterator[None]:
+        """A long operation that writes a durable checkpoint (or reads one): a recovery
+        waits for a training thread inside it to stop within its budget, not 5 s
+        (recovery._join_cutting)."""
+        self._save_until = time.monotonic() + budget_s
+        try:
+            with self.long_operation(budget_s):
+                yield
+        finally:
+            self._save_until = 0.0
+
+    def durable_save_left_s(self) -> float:
+        """Seconds left of the durable save this worker's training thread is in (0: none)."""
+        return max(0.0, self._save_until - time.monotonic())
 
     @contextlib.contextmanager
     def long_operation(self, budget_s: float) -> Iterator[None]:

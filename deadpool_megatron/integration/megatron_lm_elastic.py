@@ -312,7 +312,7 @@ class MegatronLmLoop:
             margs.load = None
         startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
         hot_swap = live.session(MegatronSession(member, thread, startup))
-        saves = megatron_saves_declared(member.progress.long_operation) \
+        saves = megatron_saves_declared(member.progress.durable_save) \
             if member.progress is not None else contextlib.nullcontext()
         loaders, self.loaders = self.loaders, SpareLoaders({})  # for this build alone
         if not thread.spare:  # building with every rank: over datasets of its own

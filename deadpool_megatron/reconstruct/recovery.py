@@ -186,7 +186,7 @@ class Member(NotWalked):
     def checkpointer(self) -> Any:
         from deadpool_megatron.integration.checkpoint import Checkpointer
 
-        return Checkpointer(self.cfg, self.progress.long_operation if self.progress else None)
+        return Checkpointer(self.cfg, self.progress.durable_save if self.progress else None)
 
     def stamp(self, phase: str) -> None:
         """Progress of the main thread (recovery steps), for the hang analysis."""
@@ -386,17 +386,25 @@ def _stop(member: Member, training: StoppableThread, lost_replica: bool,
         if training.alive():  # in the barrier (or the grace is over): its group is cut
             cut.unspare(member.barrier_sockets())
             severed = cut()
-    return _join_cutting(training, severed, cut)
+    return _join_cutting(training, severed, cut, member.progress)
 
 
-def _join_cutting(training: StoppableThread, severed: int,
-                  cut: GenerationCut) -> tuple[bool, int]:
+def _join_cutting(training: StoppableThread, severed: int, cut: GenerationCut,
+                  board: Any = None) -> tuple[bool, int]:
     """Wait for the stopping thread, cutting again every RECUT_S: a connection that was
     still being set up at the first cut (not yet connected, so not cut) can hold it. After
-    KEEP_PATIENCE_S the connections of the groups it might have kept are cut too."""
+    KEEP_PATIENCE_S the connections of the groups it might have kept are cut too. A thread
+    inside a durable save (`board`: writing its shard) is waited for past STOP_TIMEOUT_S,
+    within the save's budget: its slow work is local, and it stops at its next collective,
+    which the cut fails (a kill during Megatron's save had
+    every survivor leave after 5 s, and the job end: chaos soak --loop megatron)."""
     start = time.monotonic()
     deadline = start + STOP_TIMEOUT_S
-    while training.alive() and time.monotonic() < deadline:
+    while training.alive():
+        if time.monotonic() >= deadline:
+            if board is None or board.durable_save_left_s() <= 0:
+                break
+            deadline = time.monotonic() + RECUT_S
         if training.join(RECUT_S):
             break
         if time.monotonic() > start + KEEP_PATIENCE_S:
