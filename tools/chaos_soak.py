@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True, text=True, timeout=ns.timeout + 60, cwd=REPO))
 
     events = job_dir / "events"
+    # A run before into the same --out: its events would be counted as this one's (the
+    # logs append), and a fallback would load its checkpoints.
+    for stale in job_dir.glob("events.rank*"):
+        stale.unlink()
+    shutil.rmtree(job_dir / "ckpt", ignore_errors=True)
     save = ["--save", str(job_dir / "ckpt"), "--save-interval", str(ns.save_interval)] \
         if ns.save_interval > 0 else []
     t_job = time.monotonic()
