@@ -237,8 +237,9 @@ def test_a_process_without_the_token_changes_nothing(tmp_path: Path,
 def test_the_coordinator_guesses_no_hung_rank_while_a_member_builds(tmp_path: Path) -> None:
     """Host reports as a recovery makes them: two ranks stalled in a wait for peers, and a
     third inside a declared long operation (a spare building alone), of which the report
-    names the worker but sends no view. No rank is replaced while it builds; once it is
-    done building, the furthest behind is (a guess, said so)."""
+    names the worker but sends no view. No rank is replaced while it builds, nor for the
+    waiters' timeout after (they waited for it: chaos soak --loop megatron guessed a spare
+    hung the moment the survivors' save ended); then the furthest behind is (a guess)."""
     store = dist.HashStore()
     coordinator = _coordinator(store, tmp_path)
     signed = SignedStore(store, TOKEN, keys.epoch_prefix(0))
@@ -248,12 +249,14 @@ def test_the_coordinator_guesses_no_hung_rank_while_a_member_builds(tmp_path: Pa
                 "wh": 2, "long": False, "to": 3.0, "itn": 0.3, "os": "S"}
 
     stalled = {"w0": view(90), "w1": view(95)}
-    for seq, building in ((1, ["w2"]), (2, ["w2"]), (3, [])):
+    start = time.monotonic()
+    for seq, building, at in ((1, ["w2"], 0.0), (2, ["w2"], 0.5), (3, [], 1.0), (4, [], 3.4),
+                              (5, [], 3.6)):
         signed.set(keys.host_report(0), json.dumps({"seq": seq, "workers": stalled,
                                                     "it": {}, "long": building}))
         coordinator._next_scan = 0.0
-        coordinator.tick(time.monotonic())
-        if building:
+        coordinator.tick(start + at)
+        if at < 3.5:  # building, or done 3 s (their timeout) ago at most
             assert not coordinator.failed and not coordinator.gone, seq
     assert "w0" in coordinator.gone and "w1" not in coordinator.gone
 

@@ -70,6 +70,7 @@ class Coordinator:
         self.refused = ""  # why a worker refused the job's configuration, if one exited so
         self.finished: set[str] = set()  # exited 0: done
         self.declared_at = time.monotonic()  # when the current generation was declared
+        self.building_seen = float("-inf")  # a member last seen in a long operation
         self.declare_at = 0.0
         self._exits_seen = 0
         self._exits_read: set[str] = set()  # workers whose exit report was read
@@ -312,7 +313,14 @@ class Coordinator:
         # A worker that reported itself done stamps no more: only the views the hang
         # analysis could act on (stalled, or unable to run) are checked for it.
         views = [v for v in views if not (v.stalled or v.frozen) or not self._done(v.worker)]
-        verdict = find_hung(views, someone_building=building)
+        # Those that waited for a member in a long operation (survivors finishing a durable
+        # save before they can leave) get their timeout again once it ends before anyone
+        # is guessed hung: a spare that had waited 11 s in the rendezvous for them was
+        # guessed the culprit the moment their save ended (chaos soak --loop megatron).
+        if building:
+            self.building_seen = now
+        recently = now - self.building_seen < max((v.timeout_s for v in views), default=0.0)
+        verdict = find_hung(views, someone_building=building or recently)
         if verdict is None:
             return
         self.events.emit("hang_localized", culprits=list(verdict.culprits),
