@@ -338,10 +338,15 @@ def test_a_refused_configuration_is_reported_and_ends_the_worker_with_its_code(
     (tests/test_job_token.py) instead of costing a spare per worker."""
     from deadpool_megatron.control import client
     from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
+    from deadpool_megatron.training import driver
+
+    def exit_now(code: int) -> None:  # the real one ends the process (os._exit)
+        raise SystemExit(code)
 
     reported = []
     fake = SimpleNamespace(worker="w3", report_failure=reported.append)
     monkeypatch.setattr(client.ControlClient, "from_env", classmethod(lambda cls: fake))
+    monkeypatch.setattr(driver, "exit_now", exit_now)
     monkeypatch.setenv("DEADPOOL_WORKER_ID", "w3")
     with pytest.raises(SystemExit) as ended:
         maybe_hot_swap(lambda: None, SimpleNamespace(deadpool=True, context_parallel_size=2))

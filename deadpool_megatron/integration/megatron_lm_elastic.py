@@ -67,13 +67,16 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
 def refuse_job(refused: HotSwapUnsupported, ctl: Any) -> NoReturn:
     """Every worker refuses the same flags: this one says why to host 0 and exits with
     CONFIG_REFUSED_RC, which ends the job with that reason (no spare is taken for a refusal
-    that a spare would repeat, and no restart is tried)."""
+    that a spare would repeat, and no restart is tried). It leaves as a worker always does
+    (driver.exit_now): an interpreter shutdown raced the control client's threads, and
+    the worker died of std::terminate (SIGABRT) instead of its code, once in CI."""
     from deadpool_megatron.control.policy import CONFIG_REFUSED_RC
+    from deadpool_megatron.training import driver
 
     reason = f"{type(refused).__name__}: {refused}"
     log.error("worker %s: %s", ctl.worker, reason)
     ctl.report_failure(reason[:2000])
-    raise SystemExit(CONFIG_REFUSED_RC) from refused
+    driver.exit_now(CONFIG_REFUSED_RC)
 
 
 def check_hot_swap(args: argparse.Namespace) -> None:
