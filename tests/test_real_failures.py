@@ -139,6 +139,27 @@ def test_a_rank_killed_while_the_next_generation_creates_its_groups(
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_killed_inside_a_gloo_creation_leaves_its_peers_waiting_in_none(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 3 is killed inside generation 1's default group, after publishing its address
+    and before connecting: every peer, the side that waits to be connected, waits in gloo
+    five times the 60 s creation timeout, and no cut ends that wait. The next declaration
+    leaves each creation behind (reconstruct/forming.py): no peer is taken for hung and
+    replaced (before: each was, the one rank never reaching the next rendezvous, costing
+    more spares than the job had), and the run ends bit-exact with two ranks replaced."""
+    run, events = _launch(tmp_path, ["--deadpool-inject", "kill rank=5 iter=3 phase=backward"],
+                          env={MEGATRON_FAULT: "kill rank=3 at=gloo call=2",
+                               "GLOO_SOCKET_IFNAME": "lo"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "test fault: kill in gloo (call 2)" in run.output
+    assert _declared(events) == [[5], [3]], run.describe()
+    left = [e for e in events if e["event"] == "forming_abandoned"]
+    assert left and all(e["generation"] == 1 for e in left), run.describe()
+    assert any(e["left_waiting"] for e in left), left
+    assert not [e for e in events if e["event"] == "hang_localized"], run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_rank_killed_while_the_first_generation_creates_its_groups(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """Rank 3 dies while generation 0 creates its groups, before any rank has built its

@@ -22,6 +22,7 @@ PEER_SIGNS = (
     "Broken pipe", "Timed out waiting", "Socket Timeout", "Connection refused",
     "Connection was likely closed", "Failed to recv", "Failed to send",
     "NCCL communicator was aborted", "ncclRemoteError", "remote process exited",
+    "Connect timeout",  # gloo: a group's peer never connected (it died while creating it)
 )
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
-from typing import Iterator, Sequence
+from typing import ContextManager, Iterator, Sequence
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 
@@ -190,6 +190,14 @@ class ProgressBoard:
             yield
         finally:
             self.training_thread = previous
+
+    def watching_instead(self, thread_id: int) -> ContextManager[None]:
+        """Where the monitor watches the calling thread, it watches `thread_id` while inside
+        (a generation's groups made in a thread of its own: reconstruct/forming.py);
+        elsewhere nothing changes."""
+        if self.training_thread != threading.get_ident():
+            return contextlib.nullcontext()
+        return self.watching(thread_id)
 
     def hooks(self) -> TrainingHooks:
         return _Stamps(self)

@@ -19,6 +19,13 @@ that started as that rank (a spare taking the rank later is not affected):
                                         debugger or a cgroup freeze) inside that save
     "sleep rank=2 at=save seconds=8"    that save takes this much longer on the rank (a slow
                                         file system; the GIL released), its peers waiting
+    "kill rank=3 at=gloo call=2"        SIGKILL inside the gloo creation of the process's
+                                        2nd default group (generation 1's, after one
+                                        recovery), right after it published its address:
+                                        a peer that was to connect, dead. Its address is
+                                        127.0.0.2, above its peers' with GLOO_SOCKET_IFNAME=lo
+                                        (127.0.0.1), so each of them is the side that waits
+                                        to be connected (gloo: the lower address listens)
 
 `call=N` fires at the Nth call of the patched function in this process (1-based), so a
 test picks the iteration and micro-batch: TransformerLayer.forward runs once per layer of
@@ -44,7 +51,7 @@ CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 class MegatronFault:
     action: str  # raise, kill, block, gil, stop, sleep
     rank: int
-    at: str  # forward, backward, save
+    at: str  # forward, backward, save, gloo
     call: int = 1
     seconds: float = 0.0
 
@@ -89,6 +96,55 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
     return wrapper
 
 
+def _killed_publishing(fault: MegatronFault) -> None:
+    """The `call`th default group's gloo creation publishes the address, then is killed."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    real_init, gloo = dist.init_process_group, c10d.ProcessGroupGloo
+    calls = 0
+
+    class KilledAfterSet(dist.Store):
+        def __init__(self, inner: dist.Store) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def set(self, key: str, value: Any) -> None:
+            self.inner.set(key, value)
+            print(f"test fault: kill in gloo (call {calls}), its address published, at "
+                  f"{time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def wait(self, keys: list[str], timeout: Any = None) -> None:
+            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+        def add(self, key: str, value: int) -> int:
+            return self.inner.add(key, value)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check(keys)
+
+    class Publishing(gloo):  # type: ignore[misc, valid-type]
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+            options = gloo._Options()
+            options._devices = [gloo.create_device(hostname="127.0.0.2")]
+            options._timeout = timeout
+            super().__init__(KilledAfterSet(store), rank, size, options)
+
+    @functools.wraps(real_init)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == fault.call:
+            c10d.ProcessGroupGloo = Publishing
+        return real_init(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
 def install_from_env() -> MegatronFault | None:
     """Patch Megatron-Core as DEADPOOL_TEST_MEGATRON_FAULT says, in the worker that started
     as the named rank; returns the fault, or None."""
@@ -108,6 +164,8 @@ def install_from_env() -> MegatronFault | None:
         )
 
         Linear.backward = staticmethod(_failing(fault, Linear.backward))
+    elif fault.at == "gloo":
+        _killed_publishing(fault)
     elif fault.at == "save":
         from megatron.core import dist_checkpointing
 

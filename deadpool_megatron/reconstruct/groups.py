@@ -20,6 +20,7 @@ from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
 from deadpool_megatron.control.sockets import socket_fd_inodes
+from deadpool_megatron.reconstruct.forming import Forming
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
 
@@ -89,46 +90,57 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                     on_store: Callable[[GenerationStore], None] = lambda store: None,
                     after_default_group: Callable[[], None] = lambda: None,
                     creating: Callable[[], ContextManager] = contextlib.nullcontext,
-                    barrier_group: bool = False) -> bool:
+                    barrier_group: bool = False,
+                    forming: Forming | None = None) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group
     (`make_groups(timeout)`, by default ours for `cfg`) and, with `barrier_group`, the
     reduction barrier's, made inside `creating()` (the groups kept from the last
-    generation handed back: keep.py).
+    generation handed back: keep.py), each made by `forming` in a thread of its own.
 
-    False if a newer generation was declared while waiting (a failure during recovery).
-    The groups are created with a timeout of at most REBUILD_TIMEOUT_S (a peer that died
-    after publishing its address is not waited for longer), then given the job's.
+    False if a newer generation was declared while waiting in the rendezvous (a failure
+    during recovery); FormingAbandoned if it was declared while the groups were made and
+    a creation still waited on (forming.py). The groups are created with a timeout of at
+    most REBUILD_TIMEOUT_S, then given the job's.
     """
     from deadpool_megatron.integration.distributed import init_megatron_groups
     from deadpool_megatron.reconstruct.keep import make_barrier_group
 
+    forming = forming or Forming(generation)
     store = GenerationStore(ctl, generation)
     on_store(store)
     laps("connection")
     if not ctl.rendezvous(generation, world_size, rank, waiter=store.control):
         return False
     laps("rendezvous")
-    # This (main) thread's device was set once at the process's start, from its launcher
-    # slot: a spare keeps its own device whatever rank it takes (integration/device.py).
     job_timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     rebuild = min(job_timeout, timedelta(seconds=REBUILD_TIMEOUT_S))
-    # torch names the default group and Megatron's (no explicit name) by a process-wide
-    # count, reset only when a default group is destroyed. A forming cut inside
-    # init_process_group had counted one and destroyed none: every later generation of
-    # that rank named its groups apart from its peers', each member waiting for the others
-    # under its own store prefix (chaos soak seeds 21 and 44: no generation formed again).
-    c10d._world.group_count = 0
-    dist.init_process_group(backend=cfg.distributed_backend, store=store.store, rank=rank,
-                            world_size=world_size, timeout=rebuild)
-    laps("default_group")
-    after_default_group()
-    with creating():
+
+    def default_group() -> None:
+        # torch names the default group and Megatron's (no explicit name) by a process-wide
+        # count, reset only when a default group is destroyed. A forming cut inside
+        # init_process_group had counted one and destroyed none: every later generation of
+        # that rank named its groups apart from its peers', each member waiting for the
+        # others under its own store prefix (chaos soak seeds 21 and 44: no generation
+        # formed again).
+        c10d._world.group_count = 0
+        dist.init_process_group(backend=cfg.distributed_backend, store=store.store,
+                                rank=rank, world_size=world_size, timeout=rebuild)
+        laps("default_group")
+        after_default_group()
+
+    def groups() -> None:
         if make_groups is not None:
             make_groups(rebuild)
         else:
             init_megatron_groups(cfg, timeout=rebuild)
         if barrier_group:
             make_barrier_group()
+
+    forming.run(default_group, "the default group")
+    # Entered and left here, never in the creating thread: one left behind must not undo,
+    # when it ends, what a later generation's `creating` set up.
+    with creating():
+        forming.run(groups, "Megatron's groups")
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(job_timeout, group)
     laps("megatron_groups")

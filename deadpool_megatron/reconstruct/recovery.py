@@ -45,6 +45,7 @@ from deadpool_megatron.reconstruct.abort import GenerationCut
 from deadpool_megatron.reconstruct.groups import (join_generation, forget_groups,
                                                   open_connections, socket_inodes)
 from deadpool_megatron.reconstruct import keep
+from deadpool_megatron.reconstruct.forming import Forming, FormingAbandoned
 from deadpool_megatron.reconstruct.binding import REPLICA_FETCH_GROUP, GroupBinding
 from deadpool_megatron.reconstruct.rebind import GroupKey, NotWalked
 from deadpool_megatron.replay.ledger import MicrobatchLedger
@@ -425,14 +426,24 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     member.generation = generation  # groups made from here on are this generation's
     if generation > 0:  # the hang analysis sees it forming this one (control/hang.py); the
         member.stamp("recovery")  # job's first build is not timed as a recovery step
-    member.ctl.watch(generation, lambda newer: interrupt(member))
-    if not join_generation(member.ctl, generation, member.rank, member.world, member.cfg,
-                           member.loop.make_groups, laps,
-                           on_store=lambda store: setattr(member, "gen_store", store),
-                           after_default_group=lambda: member.injector.fire("groups",
-                                                                            generation),
-                           creating=member.creating_groups,
-                           barrier_group=member.keeps_groups):
+    board = member.progress
+    forming = Forming(generation, member.device.thread,
+                      board.watching_instead if board is not None else
+                      lambda ident: contextlib.nullcontext())
+    member.ctl.watch(generation, lambda newer: interrupt(member, forming))
+    try:
+        joined = join_generation(member.ctl, generation, member.rank, member.world,
+                                 member.cfg, member.loop.make_groups, laps,
+                                 on_store=lambda store: setattr(member, "gen_store", store),
+                                 after_default_group=lambda: member.injector.fire(
+                                     "groups", generation),
+                                 creating=member.creating_groups,
+                                 barrier_group=member.keeps_groups, forming=forming)
+    except FormingAbandoned as left:
+        member.events.emit("forming_abandoned", generation=generation, what=str(left),
+                           left_waiting=forming.left_behind is not None)
+        raise
+    if not joined:
         member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
     member.engine.connect()
@@ -441,9 +452,10 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     return True
 
 
-def interrupt(member: Member) -> None:
+def interrupt(member: Member, forming: Forming) -> None:
     """From the watcher thread, on a declaration newer than the generation being formed:
-    fail whatever the main thread waits on (a peer's address in the store, a collective).
+    fail whatever the main thread waits on (a peer's address in the store, a collective),
+    and leave behind a group creation that still waits (forming.py).
     The sockets first: the cut lists them before the main thread can wake and make the
     next generation's (a store wait ends only with the store's cut, after the listing), and
     passes over any whose number was reused meanwhile. Leaving takes milliseconds once the
@@ -457,6 +469,7 @@ def interrupt(member: Member) -> None:
     GenerationCut({member.ctl.port}, member.sockets_before or frozenset(), nccl=False)()
     if store is not None:
         store.cut()
+    forming.supersede()
 
 
 def rebind(member: Member) -> int:
