@@ -23,7 +23,23 @@ def init_process_groups(cfg: TrainConfig, device: ProcessDevice | None = None) -
 
 
 def init_megatron_groups(cfg: TrainConfig, timeout: timedelta | None = None) -> None:
-    """Every Megatron-Core parallel group, over the current default group.
+    """Every Megatron-Core parallel group, over the current default group."""
+    with megatron_groups_patched(cfg):
+        make_megatron_groups(cfg, timeout)
+
+
+def megatron_groups_patched(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """What holds while Megatron's groups are made: on CPU, groups of equal members shared
+    (rehearsal/shared_groups.py)."""
+    from deadpool_megatron.rehearsal import rehearsal_needed
+    from deadpool_megatron.rehearsal.shared_groups import groups_shared_by_members
+
+    return groups_shared_by_members() if rehearsal_needed(cfg.distributed_backend) \
+        else contextlib.nullcontext()
+
+
+def make_megatron_groups(cfg: TrainConfig, timeout: timedelta | None = None) -> None:
+    """Megatron-Core's groups alone (inside `megatron_groups_patched`).
 
     No gloo duplicates of the groups: only the dp_zero and memory-efficient
     fully_reshardable checkpoint formats use them, not the dp_reshardable one we write, and
@@ -31,19 +47,13 @@ def init_megatron_groups(cfg: TrainConfig, timeout: timedelta | None = None) -> 
     """
     from megatron.core import parallel_state as ps
 
-    from deadpool_megatron.rehearsal import rehearsal_needed
-    from deadpool_megatron.rehearsal.shared_groups import groups_shared_by_members
-
-    shared = groups_shared_by_members() if rehearsal_needed(cfg.distributed_backend) \
-        else contextlib.nullcontext()
-    with shared:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            distributed_timeout_minutes=(timeout.total_seconds() / 60 if timeout is not None
-                                         else cfg.distributed_timeout_minutes),
-            create_gloo_process_groups=False,
-        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        distributed_timeout_minutes=(timeout.total_seconds() / 60 if timeout is not None
+                                     else cfg.distributed_timeout_minutes),
+        create_gloo_process_groups=False,
+    )
 
 
 def set_seeds(seed: int) -> None:

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, NoReturn
+from typing import Any, Callable, ContextManager, Iterator, NoReturn
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration import live
@@ -212,6 +212,7 @@ class HotSwapPretrain:
             # and the job restarts from its --save.
             return new_worker_member(cfg, ft, self.ctl, rank, generation, world, progress,
                                      device, LoopTraits(make_groups=loop.make_groups,
+                                                        groups_patched=loop.groups_patched,
                                                         microbatches_of=schedule,
                                                         flushes_snapshots=False))
 
@@ -240,22 +241,29 @@ class MegatronLmLoop:
         self.prebuilt: _Prebuilt | None = None  # a spare's datasets, built while it waited
         self.loaders = SpareLoaders({})  # and its data loaders' workers, started then
 
-    def make_groups(self, timeout: timedelta) -> None:
-        """Megatron's own model-parallel initialisation, over the default group just made
-        (it finds the default group there and makes only Megatron's groups)."""
+    @contextlib.contextmanager
+    def groups_patched(self, timeout: timedelta) -> Iterator[None]:
+        """While the groups are made: Megatron's timeout is the creation's, and on CPU
+        Megatron sees a device and shares groups of equal members."""
         from megatron.training import get_args
-        from megatron.training.initialize import _initialize_distributed
 
         margs = get_args()
         saved = margs.distributed_timeout_minutes
         margs.distributed_timeout_minutes = timeout.total_seconds() / 60
         try:
             with _rehearsal_groups_if_cpu(margs):
-                _initialize_distributed(self.kwargs.get("get_embedding_ranks"),
-                                        self.kwargs.get("get_position_embedding_ranks"),
-                                        store=None)
+                yield
         finally:
             margs.distributed_timeout_minutes = saved
+
+    def make_groups(self, timeout: timedelta) -> None:
+        """Megatron's own model-parallel initialisation, over the default group just made
+        (it finds the default group there and makes only Megatron's groups), inside
+        `groups_patched(timeout)`."""
+        from megatron.training.initialize import _initialize_distributed
+
+        _initialize_distributed(self.kwargs.get("get_embedding_ranks"),
+                                self.kwargs.get("get_position_embedding_ranks"), store=None)
 
     def prepare_spare(self) -> None:
         """The script imported Megatron and parsed its arguments already. While it waits, a

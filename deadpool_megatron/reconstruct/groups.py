@@ -89,20 +89,24 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
                     laps: Callable[[str], None] = lambda name: None,
                     on_store: Callable[[GenerationStore], None] = lambda store: None,
                     after_default_group: Callable[[], None] = lambda: None,
-                    creating: Callable[[], ContextManager] = contextlib.nullcontext,
+                    creating: Callable[[timedelta], ContextManager] =
+                    lambda timeout: contextlib.nullcontext(),
                     barrier_group: bool = False,
                     forming: Forming | None = None) -> bool:
     """Rendezvous of one generation, then the default and every Megatron group
     (`make_groups(timeout)`, by default ours for `cfg`) and, with `barrier_group`, the
-    reduction barrier's, made inside `creating()` (the groups kept from the last
-    generation handed back: keep.py), each made by `forming` in a thread of its own.
+    reduction barrier's, made by `forming` in a thread of its own inside
+    `creating(timeout)`: what must hold while they are made (the groups kept from the last
+    generation handed back: keep.py; the loop's patches of torch and Megatron), entered and
+    left by this thread, so that a creation left behind undoes nothing when it ends.
 
     False if a newer generation was declared while waiting in the rendezvous (a failure
     during recovery); FormingAbandoned if it was declared while the groups were made and
     a creation still waited on (forming.py). The groups are created with a timeout of at
     most REBUILD_TIMEOUT_S, then given the job's.
     """
-    from deadpool_megatron.integration.distributed import init_megatron_groups
+    from deadpool_megatron.integration.distributed import (make_megatron_groups,
+                                                           megatron_groups_patched)
     from deadpool_megatron.reconstruct.keep import make_barrier_group
 
     forming = forming or Forming(generation)
@@ -132,14 +136,15 @@ def join_generation(ctl: ControlClient, generation: int, rank: int, world_size: 
         if make_groups is not None:
             make_groups(rebuild)
         else:
-            init_megatron_groups(cfg, timeout=rebuild)
+            make_megatron_groups(cfg, timeout=rebuild)
         if barrier_group:
             make_barrier_group()
 
     forming.run(default_group, "the default group")
-    # Entered and left here, never in the creating thread: one left behind must not undo,
-    # when it ends, what a later generation's `creating` set up.
-    with creating():
+    with contextlib.ExitStack() as patched:
+        patched.enter_context(creating(rebuild))
+        if make_groups is None:
+            patched.enter_context(megatron_groups_patched(cfg))
         forming.run(groups, "Megatron's groups")
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(job_timeout, group)

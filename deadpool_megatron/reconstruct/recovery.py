@@ -27,7 +27,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 
 from deadpool_megatron.config import TrainConfig
@@ -92,6 +92,9 @@ class LoopTraits:
 
     # This generation's model-parallel groups, over its default group; None: ours for cfg.
     make_groups: Callable[[timedelta], None] | None = None
+    # What must hold while make_groups runs (its patches of torch and Megatron), entered
+    # and left on the main thread (reconstruct/forming.py); None: nothing (or ours for cfg).
+    groups_patched: Callable[[timedelta], contextlib.AbstractContextManager] | None = None
     # Micro-batches per replica in an iteration, where a batch-size schedule varies them
     # (Megatron's --rampup-batch-size); None: cfg's, the same in every iteration.
     microbatches_of: Callable[[int], int] | None = None
@@ -437,7 +440,7 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
                                  on_store=lambda store: setattr(member, "gen_store", store),
                                  after_default_group=lambda: member.injector.fire(
                                      "groups", generation),
-                                 creating=member.creating_groups,
+                                 creating=lambda timeout: _creating(member, timeout),
                                  barrier_group=member.keeps_groups, forming=forming)
     except FormingAbandoned as left:
         member.events.emit("forming_abandoned", generation=generation, what=str(left),
@@ -450,6 +453,16 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     laps("snapshot_group")
     member.ctl.prepare_connection()  # the next generation's, in the background
     return True
+
+
+@contextlib.contextmanager
+def _creating(member: Member, timeout: timedelta) -> Iterator[None]:
+    """While a generation's groups are made: the kept ones handed back and the loop's
+    patches (entered here, on the main thread: reconstruct/forming.py)."""
+    patched = member.loop.groups_patched
+    with member.creating_groups(), \
+            (patched(timeout) if patched is not None else contextlib.nullcontext()):
+        yield
 
 
 def interrupt(member: Member, forming: Forming) -> None:

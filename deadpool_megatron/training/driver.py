@@ -48,6 +48,10 @@ log = logging.getLogger("deadpool_megatron.elastic")
 class TrainingLoop(Protocol):
     """What the generation loop needs of a training loop."""
 
+    def groups_patched(self, timeout: timedelta) -> ContextManager:
+        """What must hold while `make_groups` runs (patches of torch and Megatron): entered
+        and left by the thread that waits for the creation (reconstruct/forming.py)."""
+
     def make_groups(self, timeout: timedelta) -> None:
         """This generation's model-parallel groups, over the default group just made."""
 
@@ -185,8 +189,9 @@ class _Driver:
         from deadpool_megatron.reconstruct.spare import local_world
 
         member = self.member
-        with local_world(member.rank, member.world):
-            self.loop.make_groups(timedelta(seconds=REBUILD_TIMEOUT_S))
+        timeout = timedelta(seconds=REBUILD_TIMEOUT_S)
+        with local_world(member.rank, member.world), self.loop.groups_patched(timeout):
+            self.loop.make_groups(timeout)
             self._start_thread(spare=True)
         log.info("spare %s takes rank %d (generation %d); built its objects alone in %.0f ms",
                  member.ctl.worker, member.rank, member.generation,

@@ -8,6 +8,7 @@ failed rank's coordinates (no initialisation: the restore overwrites the paramet
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Callable, ContextManager
@@ -31,10 +32,15 @@ class OwnLoop:
         self.cfg, self.dataset, self.cpu_rehearsal = cfg, dataset, cpu_rehearsal
         self.finish = finish
 
-    def make_groups(self, timeout: timedelta) -> None:
-        from deadpool_megatron.integration.distributed import init_megatron_groups
+    def groups_patched(self, timeout: timedelta) -> contextlib.AbstractContextManager:
+        from deadpool_megatron.integration.distributed import megatron_groups_patched
 
-        init_megatron_groups(self.cfg, timeout=timeout)
+        return megatron_groups_patched(self.cfg)
+
+    def make_groups(self, timeout: timedelta) -> None:
+        from deadpool_megatron.integration.distributed import make_megatron_groups
+
+        make_megatron_groups(self.cfg, timeout=timeout)
 
     def prepare_spare(self) -> None:
         from deadpool_megatron.reconstruct.spare import warm_up_imports
@@ -81,7 +87,8 @@ def run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl: ControlClient, datase
 
     def new_member(rank: int, generation: int) -> Member:
         return new_worker_member(cfg, ft, ctl, rank, generation, world, progress, device,
-                                 LoopTraits(make_groups=loop.make_groups))
+                                 LoopTraits(make_groups=loop.make_groups,
+                                            groups_patched=loop.groups_patched))
 
     return run_worker(ctl, new_member, loop, thread_context)
 
