@@ -312,6 +312,10 @@ def test_the_pretrain_wrapper_is_chosen_only_for_hot_swap(monkeypatch) -> None:
     with pytest.raises(HotSwapUnsupported, match="not verified with --use-nccl-ub:"):
         check_hot_swap(SimpleNamespace(deadpool=True, nccl_ub=True, fp8=None,
                                        cuda_graph_impl="none"))
+    # Megatron's asynchronous saves: a per-process queue finalized by world collectives.
+    with pytest.raises(HotSwapUnsupported, match="not verified with --async-save: .*Drop "
+                                                 "--async-save"):
+        check_hot_swap(SimpleNamespace(deadpool=True, async_save=True))
     # Context parallelism: its peers share a replica, which the recovery's counts miss.
     with pytest.raises(HotSwapUnsupported, match="not verified with --context-parallel-size "
                                                  "2: .*drop it, or drop --deadpool"):

@@ -98,6 +98,17 @@ def check_hot_swap(args: argparse.Namespace) -> None:
             f"captured CUDA graphs) is not in the snapshot, and the group audit cannot see "
             f"it; drop them, or drop --deadpool (deadpool-launch then restarts the job "
             f"from --save)")
+    if getattr(args, "async_save", False):
+        raise HotSwapUnsupported(
+            "hot-swap is not verified with --async-save: Megatron's queue of asynchronous "
+            "saves lives in each process (a spare has none), and each save in it is "
+            "finalized by a world all-reduce at an iteration's start that a spare would not "
+            "join, with call numbers that would differ from the survivors'; and its writer "
+            "is a fresh interpreter (--use-persistent-ckpt-worker), which the CPU rehearsal "
+            "cannot run. Drop --async-save (snapshots make frequent durable saves "
+            "unnecessary; --ckpt-assume-constant-structure and --ckpt-fully-parallel-save "
+            "shorten the blocking one), or drop --deadpool (deadpool-launch then restarts "
+            "the job from --save)")
     cp = getattr(args, "context_parallel_size", 1) or 1
     if cp > 1:
         raise HotSwapUnsupported(
