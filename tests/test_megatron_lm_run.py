@@ -360,6 +360,26 @@ def test_a_slow_save_in_megatrons_loop_is_no_hang(plain, tmp_path: Path) -> None
 
 
 @pytest.mark.fault_matrix
+def test_a_kill_inside_a_gloo_creation_in_megatrons_loop_leaves_no_peer_waiting(
+        plain, tmp_path: Path) -> None:
+    """As test_real_failures' test of the same name, in Megatron's loop: rank 3 is killed
+    inside generation 1's default group after publishing its address, every peer waits in
+    gloo to be connected, and the next declaration leaves each creation behind: two ranks
+    replaced, no peer taken for hung, the run bit-exact."""
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=5 iter=2 phase=backward"],
+                            spares=2, cpu_flags=[],
+                            env={MEGATRON_FAULT: "kill rank=3 at=gloo call=2",
+                                 "GLOO_SOCKET_IFNAME": "lo"})
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert "test fault: kill in gloo (call 2)" in job.output
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared == [[5], [3]], job.describe()
+    left = [e for e in events if e["event"] == "forming_abandoned"]
+    assert any(e["left_waiting"] for e in left) and all(e["generation"] == 1 for e in left)
+    assert not [e for e in events if e["event"] == "hang_localized"], job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_kill_during_megatrons_save_waits_for_a_survivor_still_writing(
         plain, tmp_path: Path) -> None:
     """Rank 5 is killed while rank 2 writes its part of Megatron's save after iteration 2
