@@ -7,6 +7,7 @@ import time
 import pytest
 
 from deadpool_megatron.control.policy import (
+    alike_before_built,
     RecoveryImpossible,
     assign_spares,
     check_recoverable,
@@ -43,6 +44,22 @@ def test_shard_and_copy_lost_together_is_refused() -> None:
     check_recoverable(0, {4, 5, 6, 7}, 8, 4, False)  # a whole node: copies live on node 0
     with pytest.raises(RecoveryImpossible, match=r"ranks \[1, 5\] are lost"):
         check_recoverable(0, {1, 5}, 8, 4, False)
+
+
+def test_workers_failing_alike_before_the_build_name_their_error() -> None:
+    """Two or more workers' own errors, alike but for numbers (a rank's, a port's): the
+    configuration's, which a spare would meet too. One, or different ones: none."""
+    missing = "ModuleNotFoundError: A compatible `nvidia-resiliency-ext` installation " \
+              "is required"
+    assert alike_before_built({"w3": missing + "\n  File x, line 3", "w5": missing}) == \
+        missing
+    assert alike_before_built({"w1": "InjectedFault: injected fault on rank 1: raise",
+                               "s0.0": "InjectedFault: injected fault on rank 6: raise"}) \
+        == "InjectedFault: injected fault on rank 6: raise"
+    assert alike_before_built({"w2": missing}) is None
+    assert alike_before_built({"w2": missing, "w4": "RuntimeError: CUDA error: out of "
+                                                    "memory"}) is None
+    assert alike_before_built({"w2": missing, "w4": ""}) is None
 
 
 def test_policies_at_100k_ranks() -> None:

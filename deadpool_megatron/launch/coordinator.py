@@ -19,8 +19,8 @@ from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.declaration import Declaration, first_worker
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
 from deadpool_megatron.control.policy import (CONFIG_REFUSED_RC, RECOVERY_IMPOSSIBLE_RC,
-                                              RecoveryImpossible, assign_spares,
-                                              check_recoverable)
+                                              RecoveryImpossible, alike_before_built,
+                                              assign_spares, check_recoverable)
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.metrics.events import EventLog
@@ -68,6 +68,7 @@ class Coordinator:
         self.failed: set[str] = set()
         self.no_recovery = ""  # why the ranks found no recovery, if one exited so
         self.refused = ""  # why a worker refused the job's configuration, if one exited so
+        self.own_errors: dict[str, str] = {}  # worker -> its own error's report, if it failed so
         self.finished: set[str] = set()  # exited 0: done
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.building_seen = float("-inf")  # a member last seen in a long operation
@@ -239,6 +240,8 @@ class Coordinator:
             self.no_recovery = reason or f"worker {worker} found no recovery"
         if how == "exit" and returncode == CONFIG_REFUSED_RC and not self.refused:
             self.refused = reason or f"worker {worker} refused the job's configuration"
+        if how == "exit" and reported:
+            self.own_errors[worker] = reported
         # How it was found, for the reports: an exit after the rank's own error report is
         # that error ("exception"); otherwise the exit, the hang analysis or the host's silence.
         detection = "exception" if how == "exit" and reported else how
@@ -369,6 +372,9 @@ class Coordinator:
         if self.refused:  # a spare would refuse it too; nothing was trained to flush
             raise EpochEnded(CONFIG_REFUSED_RC, f"the workers refused the job's "
                                                 f"configuration: {self.refused}")
+        alike = self._alike_before_built()
+        if alike:  # a spare would meet it too; nothing was built to flush
+            raise EpochEnded(CONFIG_REFUSED_RC, alike)
         if self.no_recovery:  # the ranks' own verdict: the others exit with it, not as
             lost = [r for r, w in self.current.items() if w in self.gone]  # failures
             raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,
@@ -402,6 +408,20 @@ class Coordinator:
         self._holders = set(self.current.values())
         self.declared_at = time.monotonic()
         self.failed.clear()
+
+    def _alike_before_built(self) -> str:
+        """Why the job ends, where workers failed alike, each of its own error, before the
+        job built its state (rank 0 publishes its replica sources once built), in this
+        declaration or an earlier one: policy.alike_before_built."""
+        if self._replica_sources() is not None:
+            return ""
+        error = alike_before_built(self.own_errors)
+        if error is None:
+            return ""
+        return (f"workers {sorted(self.own_errors)} failed alike before the job built its "
+                f"state ({error}): a spare taking their places would fail so too, so the "
+                f"job ends here; the cause is the configuration's or the machine's, and "
+                f"each worker's log has its traceback")
 
     # -- flush (the epoch ends; launch/launcher.py waits for the workers' reports) -----------
     def declare_flush(self, lost: list[int], reason: str) -> list[str]:
