@@ -4,6 +4,7 @@ the main thread leaves the creation behind and goes on (reconstruct/forming.py).
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -12,37 +13,21 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from deadpool_megatron.faults.megatron_faults import gloo_options
 from deadpool_megatron.reconstruct.forming import Forming, FormingAbandoned
 
 # Rank 0 of a two-rank gloo group publishes its address, then dies before connecting. Its
 # address (127.0.0.2) is above rank 1's (127.0.0.1), so rank 1 is the side that waits to be
 # connected (gloo's pair: the lower address listens): it waits five times the timeout.
 DIES_AFTER_PUBLISHING = """
-import os, sys
+import sys
 from datetime import timedelta
 import torch.distributed as dist
-
-class Dies(dist.Store):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-    def set(self, key, value):
-        self.inner.set(key, value)
-        os._exit(0)
-    def get(self, key):
-        return self.inner.get(key)
-    def wait(self, keys, timeout=None):
-        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-    def add(self, key, value):
-        return self.inner.add(key, value)
-    def check(self, keys):
-        return self.inner.check(keys)
+from deadpool_megatron.faults.megatron_faults import gloo_options, killed_after_publishing
 
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, timeout=timedelta(seconds=20))
-options = dist.ProcessGroupGloo._Options()
-options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.2")]
-options._timeout = timedelta(seconds=1)
-dist.ProcessGroupGloo(Dies(store), 0, 2, options)
+dist.ProcessGroupGloo(killed_after_publishing(store, "rank 0 published its address"), 0, 2,
+                      gloo_options("127.0.0.2", timedelta(seconds=1)))
 """
 
 
@@ -52,15 +37,13 @@ def _store_of_a_dead_peer() -> dist.TCPStore:
                           wait_for_workers=False)
     child = subprocess.run([sys.executable, "-c", DIES_AFTER_PUBLISHING, str(store.port)],
                            timeout=120)
-    assert child.returncode == 0
+    assert child.returncode == -signal.SIGKILL, child.returncode
     return store
 
 
 def _gloo_group(store: dist.Store, made: list[object]) -> None:
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    options._timeout = timedelta(seconds=1)
-    made.append(dist.ProcessGroupGloo(store, 1, 2, options))
+    made.append(dist.ProcessGroupGloo(store, 1, 2,
+                                      gloo_options("127.0.0.1", timedelta(seconds=1))))
 
 
 def test_a_creation_waiting_for_a_dead_peer_is_left_behind_once_superseded() -> None:

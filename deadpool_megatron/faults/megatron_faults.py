@@ -96,6 +96,43 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
     return wrapper
 
 
+def gloo_options(address: str, timeout: Any) -> Any:
+    """A gloo group's options with its device bound to `address` (which side of each pair
+    listens follows from the addresses: the lower one)."""
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()
+    options._devices = [ProcessGroupGloo.create_device(hostname=address)]
+    options._timeout = timeout
+    return options
+
+
+def killed_after_publishing(inner: Any, said: str) -> Any:
+    """`inner`, a store, for one gloo group's creation: the first key set (this process's
+    address) is published, `said` printed, then the process SIGKILLed."""
+    import torch.distributed as dist
+
+    class KilledAfterSet(dist.Store):
+        def set(self, key: str, value: Any) -> None:
+            inner.set(key, value)
+            print(f"{said} at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def get(self, key: str) -> bytes:
+            return inner.get(key)
+
+        def wait(self, keys: list[str], timeout: Any = None) -> None:
+            return inner.wait(keys) if timeout is None else inner.wait(keys, timeout)
+
+        def add(self, key: str, value: int) -> int:
+            return inner.add(key, value)
+
+        def check(self, keys: list[str]) -> bool:
+            return inner.check(keys)
+
+    return KilledAfterSet()
+
+
 def _killed_publishing(fault: MegatronFault) -> None:
     """The `call`th default group's gloo creation publishes the address, then is killed."""
     import torch.distributed as dist
@@ -104,35 +141,11 @@ def _killed_publishing(fault: MegatronFault) -> None:
     real_init, gloo = dist.init_process_group, c10d.ProcessGroupGloo
     calls = 0
 
-    class KilledAfterSet(dist.Store):
-        def __init__(self, inner: dist.Store) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def set(self, key: str, value: Any) -> None:
-            self.inner.set(key, value)
-            print(f"test fault: kill in gloo (call {calls}), its address published, at "
-                  f"{time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        def get(self, key: str) -> bytes:
-            return self.inner.get(key)
-
-        def wait(self, keys: list[str], timeout: Any = None) -> None:
-            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-        def add(self, key: str, value: int) -> int:
-            return self.inner.add(key, value)
-
-        def check(self, keys: list[str]) -> bool:
-            return self.inner.check(keys)
-
     class Publishing(gloo):  # type: ignore[misc, valid-type]
         def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
-            options = gloo._Options()
-            options._devices = [gloo.create_device(hostname="127.0.0.2")]
-            options._timeout = timeout
-            super().__init__(KilledAfterSet(store), rank, size, options)
+            said = f"test fault: kill in gloo (call {calls}), its address published,"
+            super().__init__(killed_after_publishing(store, said), rank, size,
+                             gloo_options("127.0.0.2", timeout))
 
     @functools.wraps(real_init)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
