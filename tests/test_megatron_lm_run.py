@@ -448,6 +448,39 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
 
 
 @pytest.mark.fault_matrix
+def test_a_nan_that_megatron_finds_on_a_whole_replica_ends_hot_swap_with_its_error(
+        plain, tmp_path: Path) -> None:
+    """Rank 2's layer output turns NaN in iteration 3 (faults/megatron_faults.py: 'nan', its
+    7th call: iteration 3's first micro-batch, after iterations 1-2 and the evaluation
+    after 2, two micro-batches of one layer each), so Megatron's own gradient check raises "found NaN in
+    local grad norm" in every rank of that replica: ranks 2, 3 and 6, 7, in both failure
+    domains. That is an error of the work, which a spare redoing it would meet too: hot-swap
+    ends naming it (before, it ended 'the in-memory shards of ranks [2, 3, 6, 7] are lost'
+    or, where the NaN's ranks came apart, took a spare for each first; the NaN was only in
+    the workers' logs).
+    The fallback restarts from Megatron's save after iteration 2; the test fault fires in
+    the first launch only, as a transient cause would, so the run ends bit-exact."""
+    events = tmp_path / "events"
+    job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
+                       [*MODEL, "--deadpool", "--deadpool-events", str(events), "--save",
+                        str(tmp_path / "ckpt"), "--save-interval", "2"],
+                       tmp_path / "launch", timeout_s=700,
+                       env={**ENV, MEGATRON_FAULT: "nan rank=2 at=forward call=7"},
+                       script=MEGATRON_GPT)
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert "test fault: nan in forward (call 7)" in job.output, job.describe()
+    ended = re.findall(r"hot-swap impossible: ranks \[([\d, ]+)\] failed alike in iteration "
+                       r"3, in 2 failure domains \(RuntimeError: Rank \d, node \S+, device 0, "
+                       r"iteration \d: Unexpected result nan \(message='found NaN in local "
+                       r"grad norm", job.output)
+    assert len(ended) == 1 and {2, 3, 6, 7} >= {int(r) for r in ended[0].split(", ")}, \
+        job.describe()
+    assert job.output.count("restarting all 8 workers with --load") == 1, job.describe()
+    failed = {e["rank"] for e in load_events(events) if e["event"] == "failure_detected"}
+    assert failed <= {2, 3, 6, 7}, job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_overlapped_communication_and_recomputation_are_hot_swapped(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """--overlap-grad-reduce --overlap-param-gather: a bucket's reduction starts inside the

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from deadpool_megatron.control.alike import (Failure, alike_before_built, alike_in_training,
+                                             error_kind)
 from deadpool_megatron.control.policy import (
-    alike_before_built,
     RecoveryImpossible,
     assign_spares,
     check_recoverable,
@@ -46,20 +47,68 @@ def test_shard_and_copy_lost_together_is_refused() -> None:
         check_recoverable(0, {1, 5}, 8, 4, False)
 
 
+def _own(worker: str, rank: int, report: str, iteration: int | None = None,
+         generation: int = 0, host: str = "") -> Failure:
+    return Failure(worker, rank, generation, error_kind(report, host), iteration,
+                   report.splitlines()[0] if report else "")
+
+
 def test_workers_failing_alike_before_the_build_name_their_error() -> None:
     """Two or more workers' own errors, alike but for numbers (a rank's, a port's): the
     configuration's, which a spare would meet too. One, or different ones: none."""
     missing = "ModuleNotFoundError: A compatible `nvidia-resiliency-ext` installation " \
               "is required"
-    assert alike_before_built({"w3": missing + "\n  File x, line 3", "w5": missing}) == \
-        missing
-    assert alike_before_built({"w1": "InjectedFault: injected fault on rank 1: raise",
-                               "s0.0": "InjectedFault: injected fault on rank 6: raise"}) \
-        == "InjectedFault: injected fault on rank 6: raise"
-    assert alike_before_built({"w2": missing}) is None
-    assert alike_before_built({"w2": missing, "w4": "RuntimeError: CUDA error: out of "
-                                                    "memory"}) is None
-    assert alike_before_built({"w2": missing, "w4": ""}) is None
+    found = alike_before_built([_own("w3", 3, missing + "\n  File x, line 3"),
+                                _own("w5", 5, missing)])
+    assert found is not None and found.text == missing
+    found = alike_before_built([_own("w1", 1, "InjectedFault: injected fault on rank 1: raise"),
+                                _own("s0.0", 6, "InjectedFault: injected fault on rank 6: raise")])
+    assert found is not None and found.text == "InjectedFault: injected fault on rank 6: raise"
+    assert alike_before_built([_own("w2", 2, missing)]) is None
+    assert alike_before_built([_own("w2", 2, missing),
+                               _own("w4", 4, "RuntimeError: CUDA error: out of memory")]) is None
+    assert alike_before_built([_own("w2", 2, missing), _own("w4", 4, "")]) is None
+
+
+NAN = ("RuntimeError: Rank {r}, node {host}, device 0, iteration 6: Unexpected result nan "
+       "(message='found NaN in local grad norm for bucket #0 in backward pass')")
+
+
+def test_an_error_alike_in_two_failure_domains_is_the_works_not_a_machines() -> None:
+    """Megatron's NaN check raising on ranks 2, 3 (node 0) and 6, 7 (node 1) in iteration 5,
+    each naming its rank and its host: alike, in two domains: a spare would meet it too.
+    The same on one node's ranks only: maybe that machine's; replaced as usual."""
+    nan = [_own(f"w{r}", r, NAN.format(r=r, host=f"gpu-{r // 4}x"), 5, generation=r // 6,
+                host=f"gpu-{r // 4}x") for r in (7, 6, 3, 2)]
+    assert {f.kind for f in nan} == {f.kind for f in nan[:1]}  # host names masked
+    assert alike_in_training(nan, ranks_per_node=4) == \
+        [nan[0], nan[1], nan[2], nan[3]]
+    assert alike_in_training(nan[:2], ranks_per_node=4) == []  # ranks 6, 7: node 1 only
+    assert alike_in_training(nan, ranks_per_node=8) == []  # all on one node
+    other_iteration = [*nan[:2], *(_own(f.worker, f.rank, NAN.format(r=f.rank, host="h"), 9)
+                                   for f in nan[2:])]
+    assert alike_in_training(other_iteration, ranks_per_node=4) == []
+    # A kill in the same generations: the alike errors may be its consequences.
+    assert alike_in_training([Failure("w0", 0, 0), *nan], ranks_per_node=4) == []
+    # ... but not a kill of an earlier generation, recovered from.
+    earlier = [Failure("w0", 0, 0), *(Failure(f.worker, f.rank, f.generation + 1, f.kind,
+                                              f.iteration, f.text) for f in nan)]
+    assert alike_in_training(earlier, ranks_per_node=4) == earlier[1:]
+    assert alike_in_training([_own("w1", 1, "RuntimeError: bad sample", 5),
+                              _own("w5", 5, "ValueError: bad sample", 5)], 4) == []
+    assert alike_in_training([_own("w1", 1, "RuntimeError: x"), _own("w5", 5,
+                                                                     "RuntimeError: x")], 4) == []
+
+
+def test_an_error_the_spare_meets_again_is_the_works() -> None:
+    """Rank 3's error in iteration 5, then the same on the spare that redid rank 3's work:
+    whatever the domain, a spare would meet it too. Another iteration: a new failure."""
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.{n} GiB"
+    first = _own("w3", 3, oom.format(n=1), 5, generation=0)
+    again = _own("s0.0", 3, oom.format(n=7), 5, generation=1)
+    assert alike_in_training([first, again], ranks_per_node=4) == [first, again]
+    later = _own("s0.0", 3, oom.format(n=7), 8, generation=1)
+    assert alike_in_training([first, later], ranks_per_node=4) == []
 
 
 def test_policies_at_100k_ranks() -> None:

@@ -26,6 +26,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.alike import error_kind
 from deadpool_megatron.control.auth import SignedStore, token_from_env
 from deadpool_megatron.control.declaration import Declaration, Membership
 from deadpool_megatron.control.failures import PeerFailure
@@ -362,8 +363,13 @@ class ControlClient:
         refuses a hot-swap that lost both (and flushes) before any rank tries one."""
         self.store.set(keys.REPLICA_SOURCES, json.dumps(sources))
 
-    def report_failure(self, reason: str) -> None:
+    def report_failure(self, reason: str, iteration: int | None = None) -> None:
+        """Say why this worker leaves, and what its error is alike to others' by
+        (control/alike.py: its own host name masked, which only it knows), and in which
+        training iteration (None: before the first)."""
+        kind = {"kind": error_kind(reason, os.uname().nodename), "iteration": iteration}
         try:
+            self.store.set(keys.failure_kind(self.worker), json.dumps(kind))
             self.store.set(keys.failure_report(self.worker), reason)
         except Exception:  # noqa: BLE001 - best effort; the exit code says it too
             pass

@@ -48,6 +48,10 @@ def failure_report(worker: str) -> str:
     return f"dp/failed/{worker}"
 
 
+def failure_kind(worker: str) -> str:
+    return f"dp/failed_kind/{worker}"  # json {kind, iteration}: control/alike.py
+
+
 def done(worker: str) -> str:
     return f"dp/done/{worker}"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from deadpool_megatron.topology import lost_shards
@@ -79,18 +78,3 @@ def common_generation(committed: list[int | None]) -> int | None:
         return None
     return min(known)
 
-
-def alike_before_built(own_errors: dict[str, str]) -> str | None:
-    """The error that two or more workers reported alike as their own before the job had
-    built its state (`own_errors`: worker -> its report), numbers aside: a configuration
-    every rank meets, which a spare taking their places would meet too (a flag Megatron
-    accepts but cannot run here, a missing package). None if fewer than two, or if they
-    differ: then each is a rank's own failure, replaced as usual."""
-    if len(own_errors) < 2:
-        return None
-    first = {w: text.strip().splitlines()[0] if text.strip() else "" for w, text in
-             own_errors.items()}
-    if not all(first.values()) or len({re.sub(r"\d+", "N", line) for line in
-                                       first.values()}) != 1:
-        return None
-    return first[min(first)]

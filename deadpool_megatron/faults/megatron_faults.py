@@ -7,6 +7,12 @@ that started as that rank (a spare taking the rank later is not affected):
 
     "raise rank=2 at=forward call=13"   RuntimeError("CUDA error: an illegal memory access
                                         was encountered") from TransformerLayer.forward
+    "nan rank=2 at=forward call=13"     that layer's output turns NaN (a numerical blow-up):
+                                        the loss and every gradient of the rank's data-
+                                        parallel replica follow, and Megatron's own check
+                                        (--check-for-nan-in-loss-and-grad, on by default)
+                                        raises "found NaN in local grad norm" in each of its
+                                        ranks, alike, before the gradient reduction
     "kill rank=1 at=backward call=65"   SIGKILL of the process (the failure of
                                         tools/bench_recovery.py --vs-checkpoint's job
                                         without --deadpool, where no injector runs)
@@ -49,7 +55,7 @@ CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 @dataclass(frozen=True)
 class MegatronFault:
-    action: str  # raise, kill, block, gil, stop, sleep
+    action: str  # raise, nan, kill, block, gil, stop, sleep
     rank: int
     at: str  # forward, backward, save, gloo
     call: int = 1
@@ -69,6 +75,13 @@ def _hold_gil(seconds: float) -> None:
     libc.usleep(ctypes.c_uint(int(seconds * 1e6)))
 
 
+def _poisoned(output: Any) -> Any:
+    """A layer's output (hidden states, or hidden states and context) made NaN."""
+    if isinstance(output, tuple):
+        return (output[0] * float("nan"), *output[1:])
+    return output * float("nan")
+
+
 def _failing(fault: MegatronFault, fn: Callable) -> Callable:
     calls = 0
 
@@ -81,6 +94,8 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
                   f"{time.time():.3f}", flush=True)
             if fault.action == "raise":
                 raise RuntimeError(CUDA_ERROR)
+            if fault.action == "nan":
+                return _poisoned(fn(*args, **kwargs))
             if fault.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.action == "block":

@@ -18,9 +18,11 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.declaration import Declaration, first_worker
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
+from deadpool_megatron.control.alike import (Failure, alike_before_built, alike_in_training,
+                                             error_kind)
 from deadpool_megatron.control.policy import (CONFIG_REFUSED_RC, RECOVERY_IMPOSSIBLE_RC,
-                                              RecoveryImpossible, alike_before_built,
-                                              assign_spares, check_recoverable)
+                                              RecoveryImpossible, assign_spares,
+                                              check_recoverable)
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.config import LaunchConfig
 from deadpool_megatron.metrics.events import EventLog
@@ -68,7 +70,7 @@ class Coordinator:
         self.failed: set[str] = set()
         self.no_recovery = ""  # why the ranks found no recovery, if one exited so
         self.refused = ""  # why a worker refused the job's configuration, if one exited so
-        self.own_errors: dict[str, str] = {}  # worker -> its own error's report, if it failed so
+        self.failures: list[Failure] = []  # every rank's failure, its own error's kind if one
         self.finished: set[str] = set()  # exited 0: done
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.building_seen = float("-inf")  # a member last seen in a long operation
@@ -240,8 +242,7 @@ class Coordinator:
             self.no_recovery = reason or f"worker {worker} found no recovery"
         if how == "exit" and returncode == CONFIG_REFUSED_RC and not self.refused:
             self.refused = reason or f"worker {worker} refused the job's configuration"
-        if how == "exit" and reported:
-            self.own_errors[worker] = reported
+        self.failures.append(self._failure(worker, rank, reported if how == "exit" else ""))
         # How it was found, for the reports: an exit after the rank's own error report is
         # that error ("exception"); otherwise the exit, the hang analysis or the host's silence.
         detection = "exception" if how == "exit" and reported else how
@@ -266,6 +267,23 @@ class Coordinator:
                 s is None or (isinstance(s, int) and 0 <= s < self.world) for s in sources):
             return None
         return sources
+
+    def _failure(self, worker: str, rank: int, reported: str) -> Failure:
+        """The failure, with its own error's kind and iteration where the worker said them
+        (control/client.py report_failure)."""
+        if not reported:
+            return Failure(worker, rank, self.generation)
+        said = {}
+        try:
+            said = json.loads(self.store.read(keys.failure_kind(worker)) or b"{}")
+        except ValueError:
+            pass
+        kind = said.get("kind") if isinstance(said, dict) else None
+        iteration = said.get("iteration") if isinstance(said, dict) else None
+        return Failure(worker, rank, self.generation,
+                       kind if isinstance(kind, str) and kind else error_kind(reported),
+                       iteration if isinstance(iteration, int) else None,
+                       reported.strip().splitlines()[0])
 
     def _reported(self, worker: str) -> str:
         """What the worker said of its own failure before leaving (empty if nothing)."""
@@ -375,11 +393,14 @@ class Coordinator:
         alike = self._alike_before_built()
         if alike:  # a spare would meet it too; nothing was built to flush
             raise EpochEnded(CONFIG_REFUSED_RC, alike)
+        lost = [r for r, w in self.current.items() if w in self.gone]  # flushed by buddies
         if self.no_recovery:  # the ranks' own verdict: the others exit with it, not as
-            lost = [r for r, w in self.current.items() if w in self.gone]  # failures
-            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,
+            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,  # failures
                              f"generation {self.generation}: the ranks found no recovery: "
                              f"{self.no_recovery}", flush=True, lost=lost)
+        alike = self._alike_in_training()
+        if alike:  # a spare would meet it too: the newest state is flushed for a restart
+            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC, alike, flush=True, lost=lost)
         try:
             check_recoverable(self.generation, failed_ranks, self.world, self.rpn,
                               self.allow_same_node, self._replica_sources())
@@ -387,7 +408,6 @@ class Coordinator:
                                  self._avoid_hosts(failed_ranks),
                                  {s: self.cfg.host_of(s) for s in self.spares})
         except RecoveryImpossible as err:
-            lost = [r for r, w in self.current.items() if w in self.gone]
             raise EpochEnded(RECOVERY_IMPOSSIBLE_RC, str(err), flush=True, lost=lost) from None
         # Workers wake on the declaration (control/client.py), so it is written after the
         # replaced ranks and the membership (tools read that), before the generation number.
@@ -415,13 +435,26 @@ class Coordinator:
         declaration or an earlier one: policy.alike_before_built."""
         if self._replica_sources() is not None:
             return ""
-        error = alike_before_built(self.own_errors)
+        error = alike_before_built(self.failures)
         if error is None:
             return ""
-        return (f"workers {sorted(self.own_errors)} failed alike before the job built its "
-                f"state ({error}): a spare taking their places would fail so too, so the "
-                f"job ends here; the cause is the configuration's or the machine's, and "
-                f"each worker's log has its traceback")
+        return (f"workers {sorted(f.worker for f in self.failures if f.kind)} failed alike "
+                f"before the job built its state ({error.text}): a spare taking their "
+                f"places would fail so too, so the job ends here; the cause is the "
+                f"configuration's or the machine's, and each worker's log has its traceback")
+
+    def _alike_in_training(self) -> str:
+        """Why hot-swap ends, where ranks failed alike in training, each of its own error,
+        in a way no spare cures (control/alike.py)."""
+        alike = alike_in_training(self.failures, self.rpn)
+        if not alike:
+            return ""
+        ranks = sorted({f.rank for f in alike})
+        how = (f"in {len({f.rank // self.rpn for f in alike})} failure domains" if
+               len(ranks) == len(alike) else "again on the spares that redid their work")
+        return (f"ranks {ranks} failed alike in iteration {alike[0].iteration}, {how} "
+                f"({alike[0].text}): an error of the work, not of a machine, which a spare "
+                f"would meet too, so hot-swap ends here; each worker's log has its traceback")
 
     # -- flush (the epoch ends; launch/launcher.py waits for the workers' reports) -----------
     def declare_flush(self, lost: list[int], reason: str) -> list[str]:

@@ -326,8 +326,8 @@ def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int
     reason = f"{type(err).__name__}: {err}"
     log.error("rank %d: leaving the job: %s%s", member.rank, reason,
               f"\n{details.rstrip()}" if details else "")
-    member.ctl.report_failure(reason[:2000])
     running = member.ledger.entry.iteration if member.ledger.entry is not None else None
+    member.ctl.report_failure(reason[:2000], running)
     member.events.emit("rank_failed", reason=reason[:300], iteration=running)
     forget_groups()
     return RECOVERY_IMPOSSIBLE_RC if isinstance(err, RecoveryImpossible) else 1
