@@ -4,6 +4,7 @@ the generation's own connections are cut; torch's NCCL watchdog does not decide.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -60,19 +61,22 @@ def _sockets_now() -> frozenset[int]:
     return frozenset(found)
 
 
-def _member(tp: int, log: list[str]):
+def _member(tp: int, log: list[str], engine: object = None, backend: str = "nccl"):
     from deadpool_megatron.reconstruct.recovery import Member
 
     ctl = types.SimpleNamespace(port=1, worker="w0", wait_generation_after=lambda g: g + 1,
                                 members=lambda g: {0: "w0", 1: "s0.0"},
                                 replaced=lambda g: [1], flush_of=lambda g: None)
-    engine = types.SimpleNamespace(abandon=lambda: None, stop_worker=lambda pipe, t: True)
+    engine = engine or types.SimpleNamespace(abandon=lambda: None, release_waiters=lambda: None,
+                                             stop_worker=lambda pipe, t: True)
     # Rank 0 waits at the data-parallel barrier before the reduction (an intact replica),
     # or, with TP 2, shares its replica with the lost rank 1.
     ledger = types.SimpleNamespace(entry=types.SimpleNamespace(accumulated=True),
                                    longest_iteration_s=0.1)
-    member = Member(cfg=TrainConfig(distributed_backend="nccl", tensor_model_parallel_size=tp),
-                    ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=2,
+    member = Member(cfg=TrainConfig(distributed_backend=backend, tensor_model_parallel_size=tp),
+                    # Groups are not kept (NCCL's default; asked for with gloo).
+                    ft=DeadPoolConfig(deadpool=True, deadpool_remake_groups=True), ctl=ctl,
+                    rank=0, world=2,
                     events=types.SimpleNamespace(emit=lambda *a, **k: None),
                     engine=engine, ledger=ledger, injector=None, generation=4)
     member.sockets_before = _sockets_now()  # nothing of this test process is cut
@@ -92,6 +96,71 @@ def test_nccl_communicators_are_aborted_before_waiting_for_the_thread(monkeypatc
     assert log.count("abort") == 1, log
     assert "join" in log and log.index("abort") < log.index("join"), log
     assert not training.alive()
+
+
+def _engine_with_a_snapshot_in_flight():
+    """A snapshot engine whose worker never ends its job (it waits on a peer)."""
+    from deadpool_megatron.faults.injector import FaultInjector
+    from deadpool_megatron.integration.device import ProcessDevice
+    from deadpool_megatron.metrics.events import EventLog
+    from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
+
+    engine = SnapshotEngine(TrainConfig(distributed_backend="gloo"),
+                            DeadPoolConfig(deadpool=True), FaultInjector([], 0),
+                            EventLog(None, 0), ProcessDevice(None))
+    engine.rank, engine.pipe = 0, _Pipeline(links={})
+    engine.pipe.idle.clear()
+    return engine
+
+
+def test_a_thread_waiting_on_the_snapshot_worker_is_released_when_asked_to_stop(
+        caplog) -> None:
+    """Rank 0's training thread waits for the previous snapshot to commit, its worker
+    waiting on a peer, when its replica loses rank 1: the stop releases that wait at once
+    (SnapshotAbandoned), instead of after STOP_TIMEOUT_S, when the pipeline was abandoned
+    (a chaos soak's survivor stopped only then, and left the job as CannotContinue)."""
+    from deadpool_megatron.reconstruct.recovery import leave
+    from deadpool_megatron.snapshot.engine import SnapshotAbandoned
+    from deadpool_megatron.training.training_thread import TrainingThread
+
+    prepare_megatron_import()
+    engine = _engine_with_a_snapshot_in_flight()
+    training = TrainingThread(lambda t: t.generations(lambda work: engine.drain(), {}),
+                              contextlib.nullcontext)
+    training.start()
+    try:
+        assert not training.join(0.2)  # waiting on the snapshot worker
+        assert leave(_member(2, [], engine, backend="gloo"), training) == 5
+        assert isinstance(training.parked.error, SnapshotAbandoned), training.parked
+        assert "stopped" not in caplog.text and "it was asked to" not in caplog.text
+    finally:
+        assert training.abandon(5.0)
+
+
+def test_a_thread_that_stops_late_but_stops_lets_its_rank_go_on(monkeypatch, caplog) -> None:
+    """A training thread that stops only after its time has stopped: the rank goes on,
+    saying where the thread was, instead of leaving the job as CannotContinue. Here, as
+    before the stop released the snapshot pipeline's waits: only its abandonment, after
+    the thread's time, does."""
+    from deadpool_megatron.reconstruct import recovery
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.training.training_thread import TrainingThread
+
+    prepare_megatron_import()
+    monkeypatch.setattr(recovery, "STOP_TIMEOUT_S", 0.3)
+    engine = _engine_with_a_snapshot_in_flight()
+    monkeypatch.setattr(engine, "release_waiters", lambda: None)
+    monkeypatch.setattr(engine, "abandon", lambda: (SnapshotEngine.release_waiters(engine),
+                                                    SnapshotEngine.abandon(engine))[1])
+    training = TrainingThread(lambda t: t.generations(lambda work: engine.drain(), {}),
+                              contextlib.nullcontext)
+    training.start()
+    try:
+        with caplog.at_level("WARNING"):
+            assert recovery.leave(_member(2, [], engine, backend="gloo"), training) == 5
+        assert "the training thread stopped" in caplog.text and "drain" in caplog.text
+    finally:
+        assert training.abandon(5.0)
 
 
 def test_only_the_generations_own_connections_are_cut_and_gloo_aborts_nothing(

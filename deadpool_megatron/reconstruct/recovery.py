@@ -60,6 +60,7 @@ log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
 RECUT_S = 0.05  # while a thread stops, connections are cut again this often
 KEEP_PATIENCE_S = 0.25  # a thread still running this long after the cut: no group is kept
+LATE_S = 1.0  # past STOP_TIMEOUT_S, what the abandoned pipeline and the last cut may free
 RELEASE_WAIT_S = 5.0  # an old generation's group still held after this is reported
 
 
@@ -265,7 +266,11 @@ def leave(member: Member, training: StoppableThread | None,
     # cut frees it at once; this rank then reports every keepable group broken.
     past = bool(keepable) and member.ledger.past_reduction_start()
     cut = member.cut(frozenset() if past else keep.spared(keepable, member.groups.sockets))
+    asked = time.monotonic()
     stopped, severed = _stop_training(member, training, lost_replica, cut)
+    # Where it is when its time is over (the abandoned pipeline and the cuts below may yet
+    # free it: then this is what held it).
+    where = training.where() if not stopped else ""
     if stopped and peak is not None:
         peak.training_stopped()
     if keepable and not lost_replica and not _at_barrier(member):
@@ -280,11 +285,14 @@ def leave(member: Member, training: StoppableThread | None,
     severed += cut()
     laps("severed")
     worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
+    if not stopped and training.join(LATE_S):  # late, but stopped: nothing of it runs on
+        log.warning("rank %d: the training thread stopped %.1f s after it was asked to; "
+                    "it was at:\n%s", member.rank, time.monotonic() - asked, where)
+        stopped = True
     if flushing and worker_stopped and not stopped:
         # A flush needs only the snapshots in host memory, which the stuck thread (a hung
         # kernel, a collective that ignores the cut) never touches: the caller writes them
         # and exits; the groups are not torn down under the thread.
-        where = training.where() if training is not None else ""
         log.error("rank %d: the training thread did not stop within %.0f s of its "
                   "connections being cut; flushing this rank's snapshots without it, at:\n%s",
                   member.rank, STOP_TIMEOUT_S, where)
@@ -292,7 +300,7 @@ def leave(member: Member, training: StoppableThread | None,
                            thread_stopped=False, lost_replica=lost_replica, laps_ms=laps.ms)
         return generation
     if not stopped or not worker_stopped:
-        where = training.where() if training is not None and not stopped else "snapshot worker"
+        where = where or "snapshot worker"
         faulthandler.dump_traceback(all_threads=True)  # every thread, into this rank's log
         raise CannotContinue(f"rank {member.rank}: a thread of generation {member.generation} "
                              f"did not stop within {STOP_TIMEOUT_S:.0f} s of its connections "
@@ -390,13 +398,17 @@ def _stop(member: Member, training: StoppableThread, lost_replica: bool,
         if training.alive():  # in the barrier (or the grace is over): its group is cut
             cut.unspare(member.barrier_sockets())
             severed = cut()
-    return _join_cutting(training, severed, cut, member.progress)
+    return _join_cutting(training, severed, cut, member.engine.release_waiters,
+                         member.progress)
 
 
 def _join_cutting(training: StoppableThread, severed: int, cut: GenerationCut,
-                  board: Any = None) -> tuple[bool, int]:
+                  release: Callable[[], None], board: Any = None) -> tuple[bool, int]:
     """Wait for the stopping thread, cutting again every RECUT_S: a connection that was
-    still being set up at the first cut (not yet connected, so not cut) can hold it. After
+    still being set up at the first cut (not yet connected, so not cut) can hold it. A
+    wait on the snapshot pipeline is released first (`release`): its worker may wait on a
+    peer (seen once: a thread that stopped only when the pipeline was abandoned after
+    STOP_TIMEOUT_S, chaos soak --loop megatron on a doubly loaded machine). After
     KEEP_PATIENCE_S the connections of the groups it might have kept are cut too. A thread
     inside a durable save (`board`: writing its shard) is waited for past STOP_TIMEOUT_S,
     within the save's budget: its slow work is local, and it stops at its next collective,
@@ -404,6 +416,7 @@ def _join_cutting(training: StoppableThread, severed: int, cut: GenerationCut,
     every survivor leave after 5 s, and the job end: chaos soak --loop megatron)."""
     start = time.monotonic()
     deadline = start + STOP_TIMEOUT_S
+    release()
     while training.alive():
         if time.monotonic() >= deadline:
             if board is None or board.durable_save_left_s() <= 0:
@@ -765,7 +778,7 @@ def flush_alone(member: Member, training: StoppableThread | None) -> None:
     if training is not None and training.alive():
         training.stop_now()
         cut = member.cut()
-        _join_cutting(training, cut(), cut)
+        _join_cutting(training, cut(), cut, member.engine.release_waiters)
     member.engine.stop_worker(member.engine.abandon(), STOP_TIMEOUT_S)
     written = flush_held(member, set())
     committed = flush.commit(member.cfg.save, member.world, prune=False) \

@@ -233,18 +233,26 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         assert self.pipe is not None, "no snapshot pipeline is open in this generation"
         return self.pipe.links
 
-    def abandon(self) -> _Pipeline | None:
-        """Abandon the current generation's pipeline and wake a training thread waiting on
-        it (its wait then raises). Returns it, for `stop_worker` once connections are cut."""
-        pipe, self.pipe = self.pipe, None
+    def release_waiters(self) -> None:
+        """Wake a training thread waiting on this generation's pipeline (its wait raises
+        SnapshotAbandoned, as every later one): a stopping thread must not wait for a
+        worker that may itself wait on a peer. The worker keeps its pipeline until
+        `abandon`."""
+        pipe = self.pipe
         if pipe is None:
-            return None
+            return
         pipe.abandoned = True
-        if pipe.thread is not None:
-            pipe.queue.put(None)
         pipe.idle.set()
         if pipe.job is not None:
             pipe.job.copied.set()
+
+    def abandon(self) -> _Pipeline | None:
+        """Abandon the current generation's pipeline and wake a training thread waiting on
+        it (its wait then raises). Returns it, for `stop_worker` once connections are cut."""
+        self.release_waiters()
+        pipe, self.pipe = self.pipe, None
+        if pipe is not None and pipe.thread is not None:
+            pipe.queue.put(None)
         return pipe
 
     @staticmethod
