@@ -327,7 +327,10 @@ def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int
     log.error("rank %d: leaving the job: %s%s", member.rank, reason,
               f"\n{details.rstrip()}" if details else "")
     running = member.ledger.entry.iteration if member.ledger.entry is not None else None
-    member.ctl.report_failure(reason[:2000], running)
+    # The recovery's own verdicts are no error of the training work: no iteration, so never
+    # alike in training to another rank's (control/alike.py).
+    verdict = isinstance(err, (RecoveryImpossible, CannotContinue, NotAMember))
+    member.ctl.report_failure(reason[:2000], None if verdict else running)
     member.events.emit("rank_failed", reason=reason[:300], iteration=running)
     forget_groups()
     return RECOVERY_IMPOSSIBLE_RC if isinstance(err, RecoveryImpossible) else 1
