@@ -278,7 +278,8 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
                                     replaced=lambda g: [3], flush_of=lambda g: None,
                                     store=None, latest_declared=lambda: g + 1)
         g = 4
-        engine = types.SimpleNamespace(abandon=lambda: None, stop_worker=lambda pipe, t: True)
+        engine = types.SimpleNamespace(abandon=lambda: None, release_waiters=lambda: None,
+                                       stop_worker=lambda pipe, t: True)
         ledger = MicrobatchLedger()
         member = recovery.Member(
             cfg=TrainConfig(distributed_backend="gloo", tensor_model_parallel_size=2),
