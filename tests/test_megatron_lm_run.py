@@ -447,6 +447,18 @@ def test_own_errors_and_a_hang_in_megatrons_loop_are_hot_swapped(
     assert _validation(job.output) == _validation(run.output), job.describe()
 
 
+def _restarted_after(tmp_path: Path, fault: str) -> tuple[JobResult, list[dict]]:
+    """Megatron's pretrain() under deadpool-launch with --deadpool, 2 spares, Megatron's
+    saves after iterations 2 and 4, and the test-only Megatron `fault`; the events."""
+    events = tmp_path / "events"
+    job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
+                       [*MODEL, "--deadpool", "--deadpool-events", str(events), "--save",
+                        str(tmp_path / "ckpt"), "--save-interval", "2"],
+                       tmp_path / "launch", timeout_s=700, env={**ENV, MEGATRON_FAULT: fault},
+                       script=MEGATRON_GPT)
+    return job, load_events(events)
+
+
 @pytest.mark.fault_matrix
 def test_a_nan_that_megatron_finds_on_a_whole_replica_ends_hot_swap_with_its_error(
         plain, tmp_path: Path) -> None:
@@ -460,13 +472,7 @@ def test_a_nan_that_megatron_finds_on_a_whole_replica_ends_hot_swap_with_its_err
     the workers' logs).
     The fallback restarts from Megatron's save after iteration 2; the test fault fires in
     the first launch only, as a transient cause would, so the run ends bit-exact."""
-    events = tmp_path / "events"
-    job = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
-                       [*MODEL, "--deadpool", "--deadpool-events", str(events), "--save",
-                        str(tmp_path / "ckpt"), "--save-interval", "2"],
-                       tmp_path / "launch", timeout_s=700,
-                       env={**ENV, MEGATRON_FAULT: "nan rank=2 at=forward call=7"},
-                       script=MEGATRON_GPT)
+    job, events = _restarted_after(tmp_path, "nan rank=2 at=forward call=7")
     assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
     assert "test fault: nan in forward (call 7)" in job.output, job.describe()
     ended = re.findall(r"hot-swap impossible: ranks \[([\d, ]+)\] failed alike in iteration "
@@ -476,8 +482,27 @@ def test_a_nan_that_megatron_finds_on_a_whole_replica_ends_hot_swap_with_its_err
     assert len(ended) == 1 and {2, 3, 6, 7} >= {int(r) for r in ended[0].split(", ")}, \
         job.describe()
     assert job.output.count("restarting all 8 workers with --load") == 1, job.describe()
-    failed = {e["rank"] for e in load_events(events) if e["event"] == "failure_detected"}
+    failed = {e["rank"] for e in events if e["event"] == "failure_detected"}
     assert failed <= {2, 3, 6, 7}, job.describe()
+
+
+@pytest.mark.fault_matrix
+def test_an_error_the_spare_meets_again_ends_hot_swap_with_its_error(
+        plain, tmp_path: Path) -> None:
+    """A CUDA error in iteration 3's forward on whichever worker holds rank 2 (a fault of
+    the work: faults/megatron_faults.py 'iter=3'): rank 2 fails, a spare takes it, redoes
+    iteration 3 and fails alike. Another spare would too: hot-swap ends naming the error
+    (before, each spare took it in turn until none was left, and the job ended 'start the
+    job with more --spares'). The fallback restarts from Megatron's save after iteration 2,
+    where the test fault is not installed, as a transient cause would pass: bit-exact."""
+    job, events = _restarted_after(tmp_path, "raise rank=2 at=forward iter=3")
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert job.output.count("test fault: raise in forward") == 2, job.describe()
+    assert f"hot-swap impossible: ranks [2] failed alike in iteration 3, again on the spares " \
+           f"that redid their work (RuntimeError: {CUDA_ERROR})" in job.output, job.describe()
+    assert job.output.count("restarting all 8 workers with --load") == 1, job.describe()
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared == [[2]], job.describe()
 
 
 @pytest.mark.fault_matrix

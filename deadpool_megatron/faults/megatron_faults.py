@@ -35,7 +35,11 @@ that started as that rank (a spare taking the rank later is not affected):
 
 `call=N` fires at the Nth call of the patched function in this process (1-based), so a
 test picks the iteration and micro-batch: TransformerLayer.forward runs once per layer of
-the stage per micro-batch.
+the stage per micro-batch. `iter=N` instead makes it a fault of the work, not of a process:
+it fires at the first call in Megatron's iteration N (1-based, as logged) in whichever
+worker holds the rank then, a spare that took it and redoes that iteration too:
+
+    "raise rank=2 at=forward iter=3"    every worker of the first launch is patched
 """
 
 from __future__ import annotations
@@ -60,13 +64,24 @@ class MegatronFault:
     at: str  # forward, backward, save, gloo
     call: int = 1
     seconds: float = 0.0
+    iteration: int = 0  # a fault of the work: fires in iteration N in the rank's holder
 
     @classmethod
     def parse(cls, text: str) -> "MegatronFault":
         words = text.split()
         fields = dict(w.split("=", 1) for w in words[1:])
         return cls(action=words[0], rank=int(fields["rank"]), at=fields["at"],
-                   call=int(fields.get("call", 1)), seconds=float(fields.get("seconds", 0)))
+                   call=int(fields.get("call", 1)), seconds=float(fields.get("seconds", 0)),
+                   iteration=int(fields.get("iter", 0)))
+
+    def due(self, calls: int) -> bool:
+        """Whether the patched function's `calls`th call in this process fires it."""
+        if not self.iteration:
+            return calls == self.call
+        import torch.distributed as dist
+        from megatron.training import get_args
+
+        return dist.get_rank() == self.rank and get_args().curr_iteration + 1 == self.iteration
 
 
 def _hold_gil(seconds: float) -> None:
@@ -83,13 +98,14 @@ def _poisoned(output: Any) -> Any:
 
 
 def _failing(fault: MegatronFault, fn: Callable) -> Callable:
-    calls = 0
+    calls, fired = 0, False
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
+        nonlocal calls, fired
         calls += 1
-        if calls == fault.call:
+        if not fired and fault.due(calls):
+            fired = True
             print(f"test fault: {fault.action} in {fault.at} (call {calls}) at "
                   f"{time.time():.3f}", flush=True)
             if fault.action == "raise":
@@ -175,12 +191,12 @@ def _killed_publishing(fault: MegatronFault) -> None:
 
 def install_from_env() -> MegatronFault | None:
     """Patch Megatron-Core as DEADPOOL_TEST_MEGATRON_FAULT says, in the worker that started
-    as the named rank; returns the fault, or None."""
+    as the named rank (with iter=: in every worker); returns the fault, or None."""
     text = os.environ.get(ENV)
-    if not text or "RANK" not in os.environ or os.environ.get("DEADPOOL_EPOCH", "0") != "0":
+    if not text or os.environ.get("DEADPOOL_EPOCH", "0") != "0":
         return None
     fault = MegatronFault.parse(text)
-    if int(os.environ["RANK"]) != fault.rank:
+    if not fault.iteration and int(os.environ.get("RANK", -1)) != fault.rank:
         return None
     if fault.at == "forward":
         from megatron.core.transformer.transformer_layer import TransformerLayer

@@ -15,11 +15,11 @@ import logging
 import time
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.alike import (Failure, alike_before_built, alike_in_training,
+                                             error_kind)
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.declaration import Declaration, first_worker
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
-from deadpool_megatron.control.alike import (Failure, alike_before_built, alike_in_training,
-                                             error_kind)
 from deadpool_megatron.control.policy import (CONFIG_REFUSED_RC, RECOVERY_IMPOSSIBLE_RC,
                                               RecoveryImpossible, assign_spares,
                                               check_recoverable)
@@ -394,8 +394,9 @@ class Coordinator:
         if alike:  # a spare would meet it too; nothing was built to flush
             raise EpochEnded(CONFIG_REFUSED_RC, alike)
         lost = [r for r, w in self.current.items() if w in self.gone]  # flushed by buddies
-        if self.no_recovery:  # the ranks' own verdict: the others exit with it, not as
-            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,  # failures
+        # The ranks' own verdict: the others exit with it, not as failures.
+        if self.no_recovery:
+            raise EpochEnded(RECOVERY_IMPOSSIBLE_RC,
                              f"generation {self.generation}: the ranks found no recovery: "
                              f"{self.no_recovery}", flush=True, lost=lost)
         alike = self._alike_in_training()
@@ -432,7 +433,7 @@ class Coordinator:
     def _alike_before_built(self) -> str:
         """Why the job ends, where workers failed alike, each of its own error, before the
         job built its state (rank 0 publishes its replica sources once built), in this
-        declaration or an earlier one: policy.alike_before_built."""
+        declaration or an earlier one: control/alike.py."""
         if self._replica_sources() is not None:
             return ""
         error = alike_before_built(self.failures)
