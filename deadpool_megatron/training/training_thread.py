@@ -54,12 +54,15 @@ class _StopPoints(TrainingHooks):
         self.now.clear()
         self.before_reduction.clear()
 
+    def requested(self) -> bool:
+        return self.now.is_set() or self.before_reduction.is_set()
+
     def _anywhere(self) -> None:
         if self.now.is_set():
             raise GenerationBroken("this generation was abandoned")
 
     def _between_microbatches(self) -> None:
-        if self.now.is_set() or self.before_reduction.is_set():
+        if self.requested():
             raise GenerationBroken("this generation was abandoned")
 
     def on_phase(self, phase: str, state: LoopState) -> None:
@@ -138,7 +141,10 @@ class TrainingThread:
             except Rebuild:
                 raise
             except BaseException as err:  # noqa: BLE001 - judged by the main thread
-                text = traceback.format_exc()  # before without_frames drops the frames
+                # Before without_frames drops the frames. A thread told to stop raised for
+                # that (the cut): no one reads its text, and three loaded survivors were
+                # still formatting it at their 5 s stop time (chaos soak --loop megatron).
+                text = "" if self.stops.requested() else traceback.format_exc()
                 stopped = Stopped(without_frames(err), text)
             # Outside the except block: nothing of the left frames is held while parked.
             work = self._park(stopped)
