@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from deadpool_megatron.control.failures import caused_by_a_peer
+from deadpool_megatron.faults.injector import InjectedFault
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR
+from deadpool_megatron.reconstruct.recovery import CannotContinue
 
 
 @pytest.mark.parametrize("text", [
@@ -57,3 +61,30 @@ def test_our_errors_say_a_peers_failure_by_their_class_whatever_their_message() 
     from deadpool_megatron.snapshot.engine import SnapshotError
 
     assert not caused_by_a_peer(SnapshotError("timed out after 120 s waiting for the copy"))
+
+
+@pytest.mark.parametrize("err, iteration, comparable", [
+    (RuntimeError(CUDA_ERROR), 5, True),  # an error of the work: alike to others' or not
+    (InjectedFault("injected fault on rank 3: raise rank=3"), 5, False),  # one rank's own
+    (CannotContinue("rank 3: a thread did not stop"), None, True),  # the recovery's verdict
+])
+def test_what_a_failing_rank_reports_to_be_compared_by(monkeypatch, err, iteration,
+                                                       comparable) -> None:
+    """A rank leaving with its own error says in which iteration and whether it can be
+    alike to another's (control/alike.py)."""
+    from deadpool_megatron.rehearsal import prepare_megatron_import
+    from deadpool_megatron.training.driver import fail_this_rank
+
+    prepare_megatron_import()
+    from deadpool_megatron.reconstruct import groups
+
+    monkeypatch.setattr(groups, "forget_groups", lambda: None)  # no group of this process
+    said = []
+    member = types.SimpleNamespace(
+        rank=3, ledger=types.SimpleNamespace(entry=types.SimpleNamespace(iteration=5)),
+        ctl=types.SimpleNamespace(report_failure=lambda *a, **k: said.append((a, k))),
+        events=types.SimpleNamespace(emit=lambda *a, **k: None))
+    fail_this_rank(member, err)
+    (reason, running), options = said[0]
+    assert reason.startswith(type(err).__name__) and running == iteration
+    assert options == {"comparable": comparable}

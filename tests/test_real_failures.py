@@ -162,17 +162,16 @@ def test_a_rank_killed_inside_a_gloo_creation_leaves_its_peers_waiting_in_none(
 @pytest.mark.fault_matrix
 def test_ranks_failing_alike_before_the_build_end_the_job_with_their_error(
         tmp_path: Path) -> None:
-    """Every rank raises the same error of its own while generation 0 creates its groups
-    (as a flag Megatron accepts but cannot run, or a missing package, would): a spare would
-    raise it too, so none is taken and the job ends at once with that error (before: each
-    rank was replaced, and the job ended 'the in-memory shards of ranks [0..7] are lost',
-    the error itself only in the workers' logs)."""
-    faults = [arg for r in range(8) for arg in
-              ("--deadpool-inject", f"raise rank={r} iter=0 phase=groups")]
-    run, events = _launch(tmp_path, faults)
+    """A configuration error every rank meets: GLOO_SOCKET_IFNAME names no interface, so each
+    rank's gloo fails to create generation 0's default group. A spare would fail so too, so
+    none is taken and the job ends at once with that error (before: each rank was replaced,
+    and the job ended 'the in-memory shards of ranks [0..7] are lost', the error itself only
+    in the workers' logs)."""
+    run, events = _launch(tmp_path, env={"GLOO_SOCKET_IFNAME": "nonexistent0"})
     assert run.returncodes == [4] and not run.timed_out, run.describe()
-    assert "failed alike before the job built its state (InjectedFault: injected fault " \
-           "on rank" in run.output, run.describe()
+    assert "failed alike before the job built its state (RuntimeError: [enforce fail at " \
+           in run.output and "Unable to find address for: nonexistent0)" in run.output, \
+        run.describe()
     assert not _declared(events), run.describe()
 
 

@@ -363,11 +363,13 @@ class ControlClient:
         refuses a hot-swap that lost both (and flushes) before any rank tries one."""
         self.store.set(keys.REPLICA_SOURCES, json.dumps(sources))
 
-    def report_failure(self, reason: str, iteration: int | None = None) -> None:
+    def report_failure(self, reason: str, iteration: int | None = None,
+                       comparable: bool = True) -> None:
         """Say why this worker leaves, and what its error is alike to others' by
-        (control/alike.py: its own host name masked, which only it knows), and in which
-        training iteration (None: before the first)."""
-        kind = {"kind": error_kind(reason, os.uname().nodename), "iteration": iteration}
+        (control/alike.py: its own host name masked, which only it knows; nothing where it
+        is not `comparable`), and in which training iteration (None: before the first)."""
+        kind = {"kind": error_kind(reason, os.uname().nodename) if comparable else "",
+                "iteration": iteration}
         try:
             self.store.set(keys.failure_kind(self.worker), json.dumps(kind))
             self.store.set(keys.failure_report(self.worker), reason)

@@ -21,7 +21,9 @@ LOOP_PHASES = ("forward", "microbatch", "backward", "reduction", "optimizer", "s
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a 'raise' fault: an exception in the training code."""
+    """Raised by a 'raise' fault: an exception in the training code, of that rank alone (as
+    a machine's fault): never alike to another rank's (control/alike.py), even where the
+    same fault is injected into several ranks."""
 
 
 class FaultInjector:

@@ -281,7 +281,7 @@ class Coordinator:
         kind = said.get("kind") if isinstance(said, dict) else None
         iteration = said.get("iteration") if isinstance(said, dict) else None
         return Failure(worker, rank, self.generation,
-                       kind if isinstance(kind, str) and kind else error_kind(reported),
+                       kind if isinstance(kind, str) else error_kind(reported),
                        iteration if isinstance(iteration, int) else None,
                        reported.strip().splitlines()[0])
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, ContextManager, Protocol
 from deadpool_megatron.control.client import ControlClient, JobShutdown, NotAMember
 from deadpool_megatron.control.failures import caused_by_a_peer
 from deadpool_megatron.control.policy import RECOVERY_IMPOSSIBLE_RC, RecoveryImpossible
-from deadpool_megatron.faults.injector import FaultInjector
+from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.errors import without_frames
@@ -328,9 +328,11 @@ def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int
               f"\n{details.rstrip()}" if details else "")
     running = member.ledger.entry.iteration if member.ledger.entry is not None else None
     # The recovery's own verdicts are no error of the training work: no iteration, so never
-    # alike in training to another rank's (control/alike.py).
+    # alike in training to another rank's (control/alike.py); an injected fault is never
+    # alike at all: it rehearses one rank's own failure.
     verdict = isinstance(err, (RecoveryImpossible, CannotContinue, NotAMember))
-    member.ctl.report_failure(reason[:2000], None if verdict else running)
+    member.ctl.report_failure(reason[:2000], None if verdict else running,
+                              comparable=not isinstance(err, InjectedFault))
     member.events.emit("rank_failed", reason=reason[:300], iteration=running)
     forget_groups()
     return RECOVERY_IMPOSSIBLE_RC if isinstance(err, RecoveryImpossible) else 1
