@@ -407,8 +407,8 @@ def _join_cutting(training: StoppableThread, severed: int, cut: GenerationCut,
     """Wait for the stopping thread, cutting again every RECUT_S: a connection that was
     still being set up at the first cut (not yet connected, so not cut) can hold it. A
     wait on the snapshot pipeline is released first (`release`): its worker may wait on a
-    peer (seen once: a thread that stopped only when the pipeline was abandoned after
-    STOP_TIMEOUT_S, chaos soak --loop megatron on a doubly loaded machine). After
+    peer, and before, only the pipeline's abandonment after STOP_TIMEOUT_S freed such a
+    thread (tests/test_abort_order.py). After
     KEEP_PATIENCE_S the connections of the groups it might have kept are cut too. A thread
     inside a durable save (`board`: writing its shard) is waited for past STOP_TIMEOUT_S,
     within the save's budget: its slow work is local, and it stops at its next collective,
