@@ -32,11 +32,30 @@ def test_victims_that_stalled_first_are_not_guessed_while_a_stopped_rank_catches
     assert verdict is not None and verdict.certain and verdict.culprits == ("w5",)
 
 
-def test_without_any_frozen_rank_the_furthest_behind_are_guessed() -> None:
+def test_without_any_rank_that_may_be_the_culprit_the_furthest_behind_are_guessed() -> None:
     views = [_view("w0", 5.2, counter=90), _view("w1", 5.2, counter=95),
-             _view("w2", 1.0, where=RUNNING)]
+             _view("w2", 1.0)]
     verdict = find_hung(views)
     assert verdict is not None and not verdict.certain and verdict.culprits == ("w0",)
+
+
+def test_victims_that_stalled_first_are_not_guessed_while_a_blocked_rank_catches_up() -> None:
+    """CI: rank 3 blocked in its backward moments after its tensor-parallel peer (w2) and a
+    last-stage rank (w6) stamped; they crossed the timeout first and were guessed (a buddy
+    pair, so hot-swap was impossible), rank 3, seen outside any collective, left alone."""
+    views = [_view("w2", 5.01, counter=90), _view("w6", 5.01, counter=90),
+             _view("w3", 4.9, counter=91, where=RUNNING), _view("w7", 4.95, counter=91)]
+    assert find_hung(views) is None
+    later = [_view("w2", 5.12, counter=90), _view("w6", 5.12, counter=90),
+             _view("w3", 5.01, counter=91, where=RUNNING), _view("w7", 5.06, counter=91)]
+    verdict = find_hung(later)
+    assert verdict is not None and verdict.certain and verdict.culprits == ("w3",)
+    # A rank that finished (phase "done") runs no more: it holds no guess back.
+    done = WorkerView(worker="w3", generation=0, counter=91, stalled_s=9.0, timeout_s=5.0,
+                      monitor_age_s=0.1, where=RUNNING, long_operation=False, os_state="S",
+                      phase="done")
+    verdict = find_hung([*views[:2], done])
+    assert verdict is not None and not verdict.certain and verdict.culprits == ("w2", "w6")
 
 
 def test_no_guess_while_a_member_builds_but_a_certain_culprit_still_goes() -> None:

@@ -17,6 +17,11 @@ it, and the verdict says it is a guess.
 No guess while a rank not yet stalled is stopped by the OS or runs no Python: its victims
 stamped last before it (a first pipeline stage waits for the backward of the last), so
 they cross the timeout first, and it crosses its own moments later, a certain culprit.
+Nor while a rank not yet stalled is seen running outside any collective: it is the culprit
+about to cross (blocked in a kernel moments after its peers' last stamps), or a healthy
+rank that will reach the collective its peers wait in, within an iteration (CI: rank 3
+blocked in its backward; its tensor-parallel peer and a last-stage rank had stamped
+moments before it, crossed first, and were guessed, a buddy pair: hot-swap impossible).
 No guess either while a rank is inside a declared long operation (a spare building the
 failed rank's objects alone, a durable save): the stalled ones may be waiting for it, as
 survivors wait in a rendezvous for the spare; its budget bounds the wait.
@@ -117,6 +122,8 @@ def find_hung(views: list[WorkerView], someone_building: bool = False) -> Verdic
         certain = bool(culprits)
         why = {v.worker: f"still in generation {v.generation}, which generation {forming} "
                          f"has superseded" for v in culprits}
+    if not culprits and any(v.timed and v.where == RUNNING for v in views):
+        return None  # it crosses as a certain culprit, or joins (see the module docstring)
     if not culprits:
         newest = max(v.generation for v in waiting)
         behind = min(v.counter for v in waiting if v.generation == newest)
