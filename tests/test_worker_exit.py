@@ -1,13 +1,18 @@
-"""A worker leaves with os._exit (training/driver.py exit_now): nothing it started stays."""
+"""Nothing a worker started stays after it: when it leaves with os._exit (training/driver.py
+exit_now), nor when it is killed (launch/orphans.py)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
+
+from deadpool_megatron.testing.jobs import REPO, run_hosts
 
 LEAVE = """
 import multiprocessing, sys
@@ -52,3 +57,25 @@ def _running(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def test_what_a_killed_worker_started_is_stopped_by_its_launcher(tmp_path: Path) -> None:
+    """Every worker of a stand-in job starts a child that would outlive it; rank 1 is
+    SIGKILLed (as a hang's culprit, --deadpool-inject kill or the OOM killer do), so it
+    cannot stop its own. Its launcher adopted the orphan, stops it and says so; the spare
+    takes rank 1, and when the job ends no child of any worker is left."""
+    worker = REPO / "deadpool_megatron" / "testing" / "control_worker.py"
+    run = run_hosts([["--nproc-per-node", "2", "--logical-nodes", "2", "--spares", "1",
+                      "--heartbeat-timeout", "3"]],
+                    ["--deadpool", "--seconds", "4", "--fail-rank", "1", "--fail-by",
+                     "sigkill", "--child"], tmp_path, timeout_s=120, script=worker)
+    children = {name: int(pid) for name, pid in
+                re.findall(r"worker (\S+) started child pid (\d+)", run.logs[0])}
+    left = _running(list(children.values()))
+    for pid in left:  # a failing run leaves nothing behind either
+        psutil.Process(pid).kill()
+    assert run.returncodes == [0] and not run.timed_out, run.describe()
+    assert set(children) == {"w0", "w1", "s0.0"}, run.describe()
+    assert "rank 1 (worker w1 on host 0) exited with -9" in run.logs[0], run.describe()
+    assert f"stopping pid {children['w1']} " in run.logs[0], run.describe()
+    assert not left, f"still running after the job: {left}"

@@ -37,6 +37,7 @@ from deadpool_megatron.launch.console import Console, default_log_dir
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded, end_epoch
 from deadpool_megatron.launch.preload import Preloader, start_preloader
 from deadpool_megatron.launch.worker_flags import worker_flags
+from deadpool_megatron.launch.orphans import Orphans
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
 
@@ -68,6 +69,7 @@ class Launcher:
         self._wake: int | None = None  # read end of the SIGCHLD wake-up pipe
         self._stopping = False  # SIGTERM (a scheduler's preemption or time limit)
         self.preloader: Preloader | None = None  # forks the workers (--preload)
+        self.orphans = Orphans(adopted=False)  # what dead workers leave behind (run)
         self.console = Console(cfg.console, cfg.log_dir or default_log_dir(cfg.node_rank),
                                sys.stdout)
 
@@ -106,7 +108,7 @@ class Launcher:
         store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
                             self.ranks_per_node, epoch, self.console.open_epoch(epoch),
-                            preloader=self.preloader)
+                            preloader=self.preloader, orphans=self.orphans)
 
     def _worker_port(self, epoch: int) -> int:
         """The store port the workers rendezvous on. With --deadpool, the control plane's
@@ -132,6 +134,8 @@ class Launcher:
 
     def run(self) -> int:
         self.console.start()
+        # Before anything is started: every later descendant's orphans come to us.
+        self.orphans = Orphans.adopt()
         # It imports while the control plane comes up; CUDA does not survive a fork.
         if self.cfg.preload == "auto" and torch.cuda.device_count() == 0:
             self.preloader = start_preloader(

@@ -28,6 +28,7 @@ from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.child import die_with_parent
 from deadpool_megatron.launch.config import LaunchConfig
+from deadpool_megatron.launch.orphans import Orphans
 from deadpool_megatron.launch.preload import PreloadedProcess, PreloadError, Preloader
 
 log = logging.getLogger("deadpool_megatron.launch")
@@ -45,9 +46,14 @@ class LocalWorkers:
 
     def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: SignedStore,
                  master_port: int, ranks_per_node: int, epoch: int, log_dir: str,
-                 follow_s: float = REPORT_S, preloader: Preloader | None = None) -> None:
+                 follow_s: float = REPORT_S, preloader: Preloader | None = None,
+                 orphans: Orphans | None = None) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
         self.preloader = preloader  # forks the workers, if the host has one (launch/preload.py)
+        # What a dead worker leaves behind is stopped (launch/orphans.py); the launcher's
+        # own children are not: the preloader, and the workers it starts without one.
+        self.orphans = orphans or Orphans(adopted=False)
+        self._own_pids = {preloader.proc.pid} if preloader is not None else set()
         self.log_dir = log_dir  # each worker's output: log_dir/<worker>.log (launch/console.py)
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
         self.procs: dict[str, subprocess.Popen | PreloadedProcess] = {}
@@ -125,12 +131,18 @@ class LocalWorkers:
         first, into the job's log). A few requests per REPORT_S per host, none per worker:
         at 2,000 hosts host 0's store serves some 20,000 a second, where polling the
         counter every tick cost ten times that."""
+        exited = False
         for worker, proc in self.procs.items():
             if worker not in self.reported and proc.poll() is not None:
                 self.reported.add(worker)
                 self.store.set(keys.exit_report(worker), str(proc.returncode))
                 self.store.append(keys.EXITED, f"{worker},")
                 self.store.add(keys.EXITS, 1)
+                exited = True
+        if exited:  # its orphans were adopted as it died, before its exit was seen
+            self._stop_orphans()
+        elif self.orphans.unreaped:
+            self.orphans.reap()
         now = time.monotonic()
         if now >= self._next_control:
             self._next_control = now + self.follow_s
@@ -217,6 +229,10 @@ class LocalWorkers:
             out[worker] = worker_view(rec, now, _os_state(proc.pid))
         return out
 
+    def _stop_orphans(self) -> None:
+        self.orphans.sweep(self._own_pids | {p.pid for p in self.procs.values()
+                                             if isinstance(p, subprocess.Popen)})
+
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs.values())
 
@@ -229,6 +245,7 @@ class LocalWorkers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=10)
+        self._stop_orphans()
         shutil.rmtree(self.progress_dir, ignore_errors=True)
 
 

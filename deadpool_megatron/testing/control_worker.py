@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -20,6 +22,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--fail-rank", type=int, action="append", default=[])
     parser.add_argument("--fail-after", type=float, default=1.0)
+    parser.add_argument("--fail-by", choices=("exit", "sigkill"), default="exit",
+                        help="how a --fail-rank fails: exit 1, or SIGKILL itself")
+    parser.add_argument("--child", action="store_true",
+                        help="each worker starts a child process that outlives it unless "
+                             "stopped (as Megatron's checkpoint writer starts a Manager)")
     parser.add_argument("--deadpool", action="store_true")  # what the launcher looks for
     parser.add_argument("--save")  # accepted (the launcher reads it), unused
     parser.add_argument("--load")
@@ -28,6 +35,9 @@ def main() -> int:
     if ctl is None:
         sys.exit("control_worker.py runs under deadpool-launch only")
     first_epoch = ctl.epoch == 0
+    if args.child:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"worker {ctl.worker} started child pid {child.pid}", flush=True)
     try:
         if ctl.is_spare:
             generation, rank = ctl.wait_for_assignment()
@@ -40,6 +50,8 @@ def main() -> int:
                 if first_epoch and rank in args.fail_rank and \
                         time.monotonic() - start > args.fail_after:
                     print(f"rank {rank} fails on cue", flush=True)
+                    if args.fail_by == "sigkill":
+                        os.kill(os.getpid(), signal.SIGKILL)
                     os._exit(1)
                 ctl.check_shutdown()
                 time.sleep(0.05)
