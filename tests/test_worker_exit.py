@@ -3,6 +3,7 @@ exit_now), nor when it is killed (launch/orphans.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -79,3 +80,45 @@ def test_what_a_killed_worker_started_is_stopped_by_its_launcher(tmp_path: Path)
     assert "rank 1 (worker w1 on host 0) exited with -9" in run.logs[0], run.describe()
     assert f"stopping pid {children['w1']} " in run.logs[0], run.describe()
     assert not left, f"still running after the job: {left}"
+
+
+ORPHANS = """
+import json, logging, os, signal, subprocess, sys, time
+from deadpool_megatron.launch.orphans import Orphans
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+def child(code):
+    return subprocess.Popen([sys.executable, "-c", code])
+stubborn = child("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                 "print('ready', flush=True); time.sleep(60)")
+plain, ours = child("import time; time.sleep(60)"), child("import time; time.sleep(60)")
+ended = child("pass")
+time.sleep(1.5)  # the children start (the stubborn one ignores SIGTERM from then on)
+orphans = Orphans(adopted=True, grace_s=0.5)
+asked = orphans.sweep([ours.pid])
+orphans.close()
+print(json.dumps({"asked": sorted(asked), "pending": orphans.pending,
+                  "stubborn": stubborn.pid, "plain": plain.pid, "ended": ended.pid,
+                  "ours_alive": ours.poll() is None}), flush=True)
+ours.kill()
+ours.wait()
+"""
+
+
+def test_an_orphan_is_asked_to_stop_then_killed_and_always_reaped(tmp_path: Path) -> None:
+    """SIGTERM first (a resource tracker ignores it and exits by itself once its pipe
+    closes, after its cleanup), SIGKILL after the grace; one that already ended is reaped
+    without a word; the launcher's own children are left alone."""
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout.splitlines()
+    result = json.loads(said[-1])
+    assert result["asked"] == sorted([result["stubborn"], result["plain"]]), said
+    assert result["pending"] == 0 and result["ours_alive"], said
+    assert sum(f"pid {result['stubborn']} ignored SIGTERM" in line for line in said) == 1
+    assert not any(f"pid {result['plain']} ignored" in line for line in said), said
+    assert not any(f"stopping pid {result['ended']} " in line for line in said), said

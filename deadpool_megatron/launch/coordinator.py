@@ -280,10 +280,11 @@ class Coordinator:
             pass
         kind = said.get("kind") if isinstance(said, dict) else None
         iteration = said.get("iteration") if isinstance(said, dict) else None
+        after = said.get("after") if isinstance(said, dict) else None
         return Failure(worker, rank, self.generation,
                        kind if isinstance(kind, str) else error_kind(reported),
                        iteration if isinstance(iteration, int) else None,
-                       reported.strip().splitlines()[0])
+                       reported.strip().splitlines()[0], after is True)
 
     def _reported(self, worker: str) -> str:
         """What the worker said of its own failure before leaving (empty if nothing)."""
@@ -453,7 +454,7 @@ class Coordinator:
         ranks = sorted({f.rank for f in alike})
         how = (f"in {len({f.rank // self.rpn for f in alike})} failure domains" if
                len(ranks) == len(alike) else "again on the spares that redid their work")
-        return (f"ranks {ranks} failed alike in iteration {alike[0].iteration}, {how} "
+        return (f"ranks {ranks} failed alike {alike[0].when}, {how} "
                 f"({alike[0].text}): an error of the work, not of a machine, which a spare "
                 f"would meet too, so hot-swap ends here; each worker's log has its traceback")
 

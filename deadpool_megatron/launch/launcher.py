@@ -145,6 +145,7 @@ class Launcher:
         finally:
             if self.preloader is not None:
                 self.preloader.close()
+            self.orphans.close()
             self.console.close()
 
     def _run(self) -> int:

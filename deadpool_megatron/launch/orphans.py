@@ -9,9 +9,9 @@ each, one more with every killed rank.
 So the launcher becomes a child subreaper (Linux's PR_SET_CHILD_SUBREAPER) before it
 starts anything: a dead worker's descendants become its children, not init's, through
 the preloader too (every process forked after the flag is set finds it). After each
-worker exit it kills every child of its own that it did not start, and reaps it. No
-process group or session is involved, so Ctrl-C and a scheduler's signals reach the
-workers as before.
+worker exit it stops every child of its own that it did not start (SIGTERM, SIGKILL
+after GRACE_S), and reaps it. No process group or session is involved, so Ctrl-C and a
+scheduler's signals reach the workers as before.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Iterable
 
 PR_SET_CHILD_SUBREAPER = 36
+GRACE_S = 3.0  # an orphan asked to stop (SIGTERM) is killed this long after
 
 log = logging.getLogger("deadpool_megatron.launch")
 
@@ -55,49 +57,76 @@ def children_of(pid: int, proc: str = "/proc") -> list[int]:
 
 
 class Orphans:
-    """The launcher's side: `sweep` after a worker exit kills and reaps adopted orphans."""
+    """The launcher's side. `sweep` after a worker exit asks each adopted orphan to stop
+    (SIGTERM); `tick` reaps those that did and kills (SIGKILL) those still there GRACE_S
+    later. Not SIGKILL at once: a multiprocessing resource tracker, adopted too, ignores
+    SIGTERM and exits by itself once the last process holding its pipe (its worker, the
+    Manager server) is gone, after it removed the shared memory and semaphores they left."""
 
-    def __init__(self, adopted: bool) -> None:
-        self.adopted = adopted
-        self._killed: set[int] = set()  # signalled, not reaped yet
+    def __init__(self, adopted: bool, grace_s: float = GRACE_S) -> None:
+        self.adopted, self.grace_s = adopted, grace_s
+        self._pending: dict[int, float] = {}  # asked to stop: pid -> when it is killed
 
     @classmethod
     def adopt(cls) -> "Orphans":
         return cls(become_subreaper())
 
     def sweep(self, started: Iterable[int]) -> list[int]:
-        """Kill every child of this process not in `started` (the pids it started itself:
-        the preloader, workers started without it); returns the pids newly killed."""
+        """Ask every child of this process not in `started` (the pids it started itself:
+        the preloader, workers started without it) to stop; returns those newly asked."""
         if not self.adopted:
             return []
         known = set(started)
         new = [pid for pid in children_of(os.getpid())
-               if pid not in known and pid not in self._killed]
+               if pid not in known and pid not in self._pending and not _reaped(pid)]
         for pid in new:
             log.warning("deadpool-launch: stopping pid %d (%s), left behind by a worker that "
                         "ended", pid, _name(pid))
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._killed.add(pid)
-        self.reap()
+            _signal(pid, signal.SIGTERM)
+            self._pending[pid] = time.monotonic() + self.grace_s
+        self.tick()
         return new
 
-    def reap(self) -> None:
-        """Collect those killed that have exited (a process in the kernel may take a
-        moment): never blocks, never waits on a pid it did not kill (subprocess's own)."""
-        for pid in list(self._killed):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                self._killed.discard(pid)
+    def tick(self) -> None:
+        """Reap those that ended; SIGKILL those past their grace. Never blocks, never
+        waits on a pid it did not ask to stop (subprocess's own)."""
+        now = time.monotonic()
+        for pid, kill_at in list(self._pending.items()):
+            if _reaped(pid):
+                del self._pending[pid]
+            elif now >= kill_at:
+                log.warning("deadpool-launch: pid %d ignored SIGTERM for %.0f s: killing it",
+                            pid, self.grace_s)
+                _signal(pid, signal.SIGKILL)
+                self._pending[pid] = float("inf")
 
     @property
-    def unreaped(self) -> int:
-        return len(self._killed)
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        """The launcher is leaving: what it asked to stop ends now, or outlives it."""
+        deadline = time.monotonic() + self.grace_s + 5.0
+        while self._pending and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.05)
+
+
+def _reaped(pid: int) -> bool:
+    """Reaped now if it has ended (one that ended by itself is reaped silently: a resource
+    tracker that saw its worker go, cleaned up and exited)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done != 0
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _name(pid: int) -> str:

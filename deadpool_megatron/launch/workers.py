@@ -141,8 +141,8 @@ class LocalWorkers:
                 exited = True
         if exited:  # its orphans were adopted as it died, before its exit was seen
             self._stop_orphans()
-        elif self.orphans.unreaped:
-            self.orphans.reap()
+        elif self.orphans.pending:
+            self.orphans.tick()
         now = time.monotonic()
         if now >= self._next_control:
             self._next_control = now + self.follow_s
