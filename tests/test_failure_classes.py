@@ -9,7 +9,9 @@ import pytest
 from deadpool_megatron.control.failures import caused_by_a_peer
 from deadpool_megatron.faults.injector import InjectedFault
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR
+from deadpool_megatron.hooks import LoopState
 from deadpool_megatron.reconstruct.recovery import CannotContinue
+from deadpool_megatron.replay.ledger import MicrobatchLedger
 
 
 @pytest.mark.parametrize("text", [
@@ -80,11 +82,17 @@ def test_what_a_failing_rank_reports_to_be_compared_by(monkeypatch, err, iterati
 
     monkeypatch.setattr(groups, "forget_groups", lambda: None)  # no group of this process
     said = []
+    ledger = MicrobatchLedger()
+    ledger.on_iteration_start(LoopState(iteration=4, consumed_samples=0, objects=None))  # iteration 5 runs
     member = types.SimpleNamespace(
-        rank=3, ledger=types.SimpleNamespace(entry=types.SimpleNamespace(iteration=5)),
+        rank=3, ledger=ledger,
         ctl=types.SimpleNamespace(report_failure=lambda *a, **k: said.append((a, k))),
         events=types.SimpleNamespace(emit=lambda *a, **k: None))
     fail_this_rank(member, err)
+    ledger.after_iteration(LoopState(iteration=5, consumed_samples=0, objects=None))  # then between 5 and 6 (a save)
+    fail_this_rank(member, err)
     (reason, running), options = said[0]
     assert reason.startswith(type(err).__name__) and running == iteration
-    assert options == {"comparable": comparable}
+    assert options == {"comparable": comparable, "after": False}
+    (_, between), options = said[1]
+    assert between == iteration and options["after"] == (iteration is not None)

@@ -487,6 +487,27 @@ def test_a_nan_that_megatron_finds_on_a_whole_replica_ends_hot_swap_with_its_err
 
 
 @pytest.mark.fault_matrix
+def test_a_save_that_fails_on_every_rank_ends_hot_swap_with_its_error(
+        plain, tmp_path: Path) -> None:
+    """Every rank's first save (after iteration 2) fails with "No space left on device", as
+    on a full file system (faults/megatron_faults.py 'raise rank=all at=save'), between two
+    iterations. Alike on every rank, in both failure domains: the job's storage, which a
+    spare would meet too, so hot-swap ends naming it (before, a save's error carried no
+    iteration: spares were taken for the first ranks to fail, then hot-swap ended "ranks
+    [2, 5] failed but only 1 spare(s) remain; start the job with more --spares", the cause
+    only in the workers' logs). The restart finds no durable state (the save failed) and
+    starts over, where the test fault is not installed: bit-exact."""
+    job, events = _restarted_after(tmp_path, "raise rank=all at=save")
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    ended = re.findall(r"hot-swap impossible: ranks \[([\d, ]+)\] failed alike after iteration "
+                       r"2, outside its training step, in 2 failure domains \(OSError: "
+                       r"\[Errno 28\] No space left on device", job.output)
+    assert len(ended) == 1 and len(ended[0].split(", ")) >= 2, job.describe()
+    assert job.output.count("restarting all 8 workers") == 1, job.describe()
+    assert "in-memory shards" not in job.output, job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_an_error_the_spare_meets_again_ends_hot_swap_with_its_error(
         plain, tmp_path: Path) -> None:
     """A CUDA error in iteration 3's forward on whichever worker holds rank 2 (a fault of

@@ -100,6 +100,19 @@ def test_an_error_alike_in_two_failure_domains_is_the_works_not_a_machines() -> 
                                                                      "RuntimeError: x")], 4) == []
 
 
+def test_an_error_alike_between_iterations_is_compared_there() -> None:
+    """A full file system fails every rank's save after iteration 4, in two domains: the
+    job's storage, which a spare would meet too. The same error in iteration 5's step on
+    other ranks is another place, not alike to it."""
+    full = "OSError: [Errno 28] No space left on device: '/ckpt/iter_0000004/__{r}_0.distcp'"
+    saves = [Failure(f"w{r}", r, 0, error_kind(full.format(r=r)), 4, full.format(r=r),
+                     after=True) for r in (1, 6)]
+    assert alike_in_training(saves, ranks_per_node=4) == saves
+    assert saves[0].when == "after iteration 4, outside its training step"
+    in_step = Failure("w6", 6, 0, saves[1].kind, 4, saves[1].text)
+    assert alike_in_training([saves[0], in_step], ranks_per_node=4) == []
+
+
 def test_an_error_the_spare_meets_again_is_the_works() -> None:
     """Rank 3's error in iteration 5, then the same on the spare that redid rank 3's work:
     whatever the domain, a spare would meet it too. Another iteration: a new failure."""

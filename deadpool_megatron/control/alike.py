@@ -36,6 +36,12 @@ class Failure:
     kind: str = ""  # error_kind of its own error's report; "" for a kill, hang or lost host
     iteration: int | None = None  # the training iteration of its own error (None: before)
     text: str = ""  # the report's first line, for the message
+    after: bool = False  # between `iteration` and the next (a save, an evaluation)
+
+    @property
+    def when(self) -> str:
+        return (f"after iteration {self.iteration}, outside its training step" if self.after
+                else f"in iteration {self.iteration}")
 
 
 def alike_before_built(failures: list[Failure]) -> Failure | None:
@@ -53,21 +59,25 @@ def alike_in_training(failures: list[Failure], ranks_per_node: int) -> list[Fail
     """Own errors in training that a spare would meet too (empty if none), either
     - alike, in the same iteration, on ranks of two failure domains or more: a machine's
       fault stays in its machine; an error of the computation follows the data through
-      every domain (a NaN spreads through the pipeline and the gradient reduction); or
+      every domain (a NaN spreads through the pipeline and the gradient reduction), and
+      one of the job's storage reaches every writer (a full file system in a save); or
     - alike, in the same iteration, twice on one rank: the spare that redid the rank's work
       met its predecessor's error.
+    The same iteration is the same place in it: in its step, or after it (between it and
+    the next: a save, an evaluation).
     They must be the only failures of the generations in which they came: a dead peer's
     consequences can look alike on many ranks, and are not an error of their own."""
-    groups: dict[tuple[str, int], list[Failure]] = {}
+    groups: dict[tuple[str, int, bool], list[Failure]] = {}
     for f in failures:
         if f.kind and f.iteration is not None:
-            groups.setdefault((f.kind, f.iteration), []).append(f)
-    for key, group in sorted(groups.items(), key=lambda item: item[0][1]):
+            groups.setdefault((f.kind, f.iteration, f.after), []).append(f)
+    for key, group in sorted(groups.items(), key=lambda item: item[0][1:]):
         ranks = [f.rank for f in group]
         domains = {r // ranks_per_node for r in ranks}
         if len(domains) < 2 and len(set(ranks)) == len(ranks):
             continue
         generations = {f.generation for f in group}
-        if all((f.kind, f.iteration) == key for f in failures if f.generation in generations):
+        if all((f.kind, f.iteration, f.after) == key for f in failures
+               if f.generation in generations):
             return group
     return []

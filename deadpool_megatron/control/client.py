@@ -364,12 +364,13 @@ class ControlClient:
         self.store.set(keys.REPLICA_SOURCES, json.dumps(sources))
 
     def report_failure(self, reason: str, iteration: int | None = None,
-                       comparable: bool = True) -> None:
+                       comparable: bool = True, after: bool = False) -> None:
         """Say why this worker leaves, and what its error is alike to others' by
         (control/alike.py: its own host name masked, which only it knows; nothing where it
-        is not `comparable`), and in which training iteration (None: before the first)."""
+        is not `comparable`), and in which training iteration (None: before the first;
+        `after`: between it and the next, in a save or an evaluation)."""
         kind = {"kind": error_kind(reason, os.uname().nodename) if comparable else "",
-                "iteration": iteration}
+                "iteration": iteration, "after": after}
         try:
             self.store.set(keys.failure_kind(self.worker), json.dumps(kind))
             self.store.set(keys.failure_report(self.worker), reason)

@@ -7,6 +7,10 @@ that started as that rank (a spare taking the rank later is not affected):
 
     "raise rank=2 at=forward call=13"   RuntimeError("CUDA error: an illegal memory access
                                         was encountered") from TransformerLayer.forward
+    "raise rank=all at=save"            OSError(ENOSPC, "No space left on device") from
+                                        megatron.core.dist_checkpointing.save, in every
+                                        rank's first save (a full file system); rank=all:
+                                        every worker that started as a rank
     "nan rank=2 at=forward call=13"     that layer's output turns NaN (a numerical blow-up):
                                         the loss and every gradient of the rank's data-
                                         parallel replica follow, and Megatron's own check
@@ -45,6 +49,7 @@ worker holds the rank then, a spare that took it and redoes that iteration too:
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import signal
@@ -54,13 +59,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 ENV = "DEADPOOL_TEST_MEGATRON_FAULT"
+ALL = -1  # rank=all
 CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
 
 
 @dataclass(frozen=True)
 class MegatronFault:
     action: str  # raise, nan, kill, block, gil, stop, sleep
-    rank: int
+    rank: int  # ALL: every rank
     at: str  # forward, backward, save, gloo
     call: int = 1
     seconds: float = 0.0
@@ -70,7 +76,8 @@ class MegatronFault:
     def parse(cls, text: str) -> "MegatronFault":
         words = text.split()
         fields = dict(w.split("=", 1) for w in words[1:])
-        return cls(action=words[0], rank=int(fields["rank"]), at=fields["at"],
+        rank = ALL if fields["rank"] == "all" else int(fields["rank"])
+        return cls(action=words[0], rank=rank, at=fields["at"],
                    call=int(fields.get("call", 1)), seconds=float(fields.get("seconds", 0)),
                    iteration=int(fields.get("iter", 0)))
 
@@ -81,7 +88,12 @@ class MegatronFault:
         import torch.distributed as dist
         from megatron.training import get_args
 
-        return dist.get_rank() == self.rank and get_args().curr_iteration + 1 == self.iteration
+        return self.rank in (ALL, dist.get_rank()) and \
+            get_args().curr_iteration + 1 == self.iteration
+
+    def mine(self, rank: int | None) -> bool:
+        """Whether the worker that started as `rank` (None: a spare) is patched."""
+        return bool(self.iteration) or (rank is not None and self.rank in (ALL, rank))
 
 
 def _hold_gil(seconds: float) -> None:
@@ -108,6 +120,9 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
             fired = True
             print(f"test fault: {fault.action} in {fault.at} (call {calls}) at "
                   f"{time.time():.3f}", flush=True)
+            if fault.action == "raise" and fault.at == "save":
+                where = kwargs.get("checkpoint_dir", args[1] if len(args) > 1 else "")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
             if fault.action == "raise":
                 raise RuntimeError(CUDA_ERROR)
             if fault.action == "nan":
@@ -196,7 +211,8 @@ def install_from_env() -> MegatronFault | None:
     if not text or os.environ.get("DEADPOOL_EPOCH", "0") != "0":
         return None
     fault = MegatronFault.parse(text)
-    if not fault.iteration and int(os.environ.get("RANK", -1)) != fault.rank:
+    rank = os.environ.get("RANK")
+    if not fault.mine(None if rank is None else int(rank)):
         return None
     if fault.at == "forward":
         from megatron.core.transformer.transformer_layer import TransformerLayer

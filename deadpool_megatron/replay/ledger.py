@@ -32,6 +32,7 @@ class MicrobatchLedger(TrainingHooks):
 
     def __init__(self) -> None:
         self.entry: LedgerEntry | None = None
+        self.completed: int | None = None  # the last iteration this process completed
         self.computed = 0  # micro-batch forwards computed in this process, all iterations
         self.longest_iteration_s = 0.0  # how long a replica may need to finish an iteration
         self._started_at = 0.0
@@ -58,8 +59,17 @@ class MicrobatchLedger(TrainingHooks):
 
     def after_iteration(self, state: LoopState) -> None:
         self.entry = None
+        self.completed = state.iteration
         self.longest_iteration_s = max(self.longest_iteration_s,
                                        time.monotonic() - self._started_at)
+
+    def failing_at(self) -> tuple[int | None, bool]:
+        """Where an error now comes, to be compared with other ranks' (control/alike.py):
+        (the running iteration, False); between iterations (a save, an evaluation), (the
+        last completed one, True); before this process completed one, (None, False)."""
+        if self.entry is not None:
+            return self.entry.iteration, False
+        return self.completed, self.completed is not None
 
     # -- what a recovery reads ---------------------------------------------------------------
     def live_iteration(self, state: LoopState) -> int | None:

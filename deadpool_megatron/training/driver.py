@@ -326,14 +326,16 @@ def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int
     reason = f"{type(err).__name__}: {err}"
     log.error("rank %d: leaving the job: %s%s", member.rank, reason,
               f"\n{details.rstrip()}" if details else "")
-    running = member.ledger.entry.iteration if member.ledger.entry is not None else None
+    running, after = member.ledger.failing_at()
     # The recovery's own verdicts are no error of the training work: no iteration, so never
     # alike in training to another rank's (control/alike.py); an injected fault is never
     # alike at all: it rehearses one rank's own failure.
-    verdict = isinstance(err, (RecoveryImpossible, CannotContinue, NotAMember))
-    member.ctl.report_failure(reason[:2000], None if verdict else running,
+    if isinstance(err, (RecoveryImpossible, CannotContinue, NotAMember)):
+        running, after = None, False
+    member.ctl.report_failure(reason[:2000], running, after=after,
                               comparable=not isinstance(err, InjectedFault))
-    member.events.emit("rank_failed", reason=reason[:300], iteration=running)
+    member.events.emit("rank_failed", reason=reason[:300], iteration=running,
+                       between_iterations=after)
     forget_groups()
     return RECOVERY_IMPOSSIBLE_RC if isinstance(err, RecoveryImpossible) else 1
 
