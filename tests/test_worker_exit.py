@@ -93,12 +93,17 @@ stubborn = child("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_
                  "print('ready', flush=True); time.sleep(60)")
 plain, ours = child("import time; time.sleep(60)"), child("import time; time.sleep(60)")
 ended = child("pass")
+# Like a resource tracker: ends by itself once its pipe closes, so never asked to stop.
+settling = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
 time.sleep(1.5)  # the children start (the stubborn one ignores SIGTERM from then on)
-orphans = Orphans(adopted=True, grace_s=0.5)
+orphans = Orphans(adopted=True, grace_s=0.5, settle_s=1.0)
 asked = orphans.sweep([ours.pid])
+settling.stdin.close()
 orphans.close()
-print(json.dumps({"asked": sorted(asked), "pending": orphans.pending,
+print(json.dumps({"found": sorted(asked), "pending": orphans.pending,
                   "stubborn": stubborn.pid, "plain": plain.pid, "ended": ended.pid,
+                  "settling": settling.pid,
                   "ours_alive": ours.poll() is None}), flush=True)
 ours.kill()
 ours.wait()
@@ -106,9 +111,10 @@ ours.wait()
 
 
 def test_an_orphan_is_asked_to_stop_then_killed_and_always_reaped(tmp_path: Path) -> None:
-    """SIGTERM first (a resource tracker ignores it and exits by itself once its pipe
-    closes, after its cleanup), SIGKILL after the grace; one that already ended is reaped
-    without a word; the launcher's own children are left alone."""
+    """One that ends by itself soon (a resource tracker once its pipe closes, after its
+    cleanup) or has ended is reaped without a word; the others are asked to stop
+    (SIGTERM), and killed after the grace if they ignore it; the launcher's own children
+    are left alone."""
     script = tmp_path / "orphans.py"
     script.write_text(ORPHANS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -117,8 +123,12 @@ def test_an_orphan_is_asked_to_stop_then_killed_and_always_reaped(tmp_path: Path
     assert done.returncode == 0, done.stdout + done.stderr
     said = done.stdout.splitlines()
     result = json.loads(said[-1])
-    assert result["asked"] == sorted([result["stubborn"], result["plain"]]), said
+    assert result["found"] == sorted([result["stubborn"], result["plain"],
+                                      result["settling"]]), said
     assert result["pending"] == 0 and result["ours_alive"], said
+    for name in ("stubborn", "plain"):
+        assert sum(f"stopping pid {result[name]} " in line for line in said) == 1, said
     assert sum(f"pid {result['stubborn']} ignored SIGTERM" in line for line in said) == 1
     assert not any(f"pid {result['plain']} ignored" in line for line in said), said
-    assert not any(f"stopping pid {result['ended']} " in line for line in said), said
+    for name in ("ended", "settling"):
+        assert not any(f"pid {result[name]} " in line for line in said), said

@@ -9,8 +9,8 @@ each, one more with every killed rank.
 So the launcher becomes a child subreaper (Linux's PR_SET_CHILD_SUBREAPER) before it
 starts anything: a dead worker's descendants become its children, not init's, through
 the preloader too (every process forked after the flag is set finds it). After each
-worker exit it stops every child of its own that it did not start (SIGTERM, SIGKILL
-after GRACE_S), and reaps it. No process group or session is involved, so Ctrl-C and a
+worker exit it stops every child of its own that it did not start and that does not end
+by itself (SIGTERM after SETTLE_S, SIGKILL GRACE_S later), and reaps it. No process group or session is involved, so Ctrl-C and a
 scheduler's signals reach the workers as before.
 """
 
@@ -25,7 +25,8 @@ import time
 from typing import Iterable
 
 PR_SET_CHILD_SUBREAPER = 36
-GRACE_S = 3.0  # an orphan asked to stop (SIGTERM) is killed this long after
+SETTLE_S = 1.0  # an orphan found is asked to stop (SIGTERM) if still there this long after
+GRACE_S = 3.0  # ... and killed (SIGKILL) this long after that
 
 log = logging.getLogger("deadpool_megatron.launch")
 
@@ -57,64 +58,69 @@ def children_of(pid: int, proc: str = "/proc") -> list[int]:
 
 
 class Orphans:
-    """The launcher's side. `sweep` after a worker exit asks each adopted orphan to stop
-    (SIGTERM); `tick` reaps those that did and kills (SIGKILL) those still there GRACE_S
-    later. Not SIGKILL at once: a multiprocessing resource tracker, adopted too, ignores
-    SIGTERM and exits by itself once the last process holding its pipe (its worker, the
-    Manager server) is gone, after it removed the shared memory and semaphores they left."""
+    """The launcher's side. `sweep` after a worker exit finds the adopted orphans; `tick`
+    reaps those that end, asks those still there SETTLE_S later to stop (SIGTERM, with a
+    line in the log) and kills (SIGKILL) those still there GRACE_S after that. Not at once:
+    a worker's multiprocessing resource tracker is adopted too, even after a clean exit; it
+    ignores SIGTERM and exits by itself moments after the last process holding its pipe
+    (its worker, a Manager server) is gone, once it removed the shared memory and
+    semaphores they left."""
 
-    def __init__(self, adopted: bool, grace_s: float = GRACE_S) -> None:
-        self.adopted, self.grace_s = adopted, grace_s
-        self._pending: dict[int, float] = {}  # asked to stop: pid -> when it is killed
+    def __init__(self, adopted: bool, grace_s: float = GRACE_S,
+                 settle_s: float = SETTLE_S) -> None:
+        self.adopted, self.grace_s, self.settle_s = adopted, grace_s, settle_s
+        # pid -> (what is done next: "ask" or "kill" or "" (nothing left), and when)
+        self._pending: dict[int, tuple[str, float]] = {}
 
     @classmethod
     def adopt(cls) -> "Orphans":
         return cls(become_subreaper())
 
     def sweep(self, started: Iterable[int]) -> list[int]:
-        """Ask every child of this process not in `started` (the pids it started itself:
-        the preloader, workers started without it) to stop; returns those newly asked."""
+        """Find every child of this process not in `started` (the pids it started itself:
+        the preloader, workers started without it); returns those newly found."""
         if not self.adopted:
             return []
         known = set(started)
         new = [pid for pid in children_of(os.getpid())
                if pid not in known and pid not in self._pending and not _reaped(pid)]
         for pid in new:
-            log.warning("deadpool-launch: stopping pid %d (%s), left behind by a worker that "
-                        "ended", pid, _name(pid))
-            _signal(pid, signal.SIGTERM)
-            self._pending[pid] = time.monotonic() + self.grace_s
+            self._pending[pid] = ("ask", time.monotonic() + self.settle_s)
         self.tick()
         return new
 
     def tick(self) -> None:
-        """Reap those that ended; SIGKILL those past their grace. Never blocks, never
-        waits on a pid it did not ask to stop (subprocess's own)."""
+        """Reap those that ended; move the others on. Never blocks, never waits on a pid
+        it did not find (subprocess's own)."""
         now = time.monotonic()
-        for pid, kill_at in list(self._pending.items()):
+        for pid, (step, at) in list(self._pending.items()):
             if _reaped(pid):
                 del self._pending[pid]
-            elif now >= kill_at:
+            elif step == "ask" and now >= at:
+                log.warning("deadpool-launch: stopping pid %d (%s), left behind by a worker "
+                            "that ended", pid, _name(pid))
+                _signal(pid, signal.SIGTERM)
+                self._pending[pid] = ("kill", now + self.grace_s)
+            elif step == "kill" and now >= at:
                 log.warning("deadpool-launch: pid %d ignored SIGTERM for %.0f s: killing it",
                             pid, self.grace_s)
                 _signal(pid, signal.SIGKILL)
-                self._pending[pid] = float("inf")
+                self._pending[pid] = ("", float("inf"))
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
     def close(self) -> None:
-        """The launcher is leaving: what it asked to stop ends now, or outlives it."""
-        deadline = time.monotonic() + self.grace_s + 5.0
+        """The launcher is leaving: what it found ends now, or would outlive it."""
+        deadline = time.monotonic() + self.settle_s + self.grace_s + 5.0
         while self._pending and time.monotonic() < deadline:
             self.tick()
             time.sleep(0.05)
 
 
 def _reaped(pid: int) -> bool:
-    """Reaped now if it has ended (one that ended by itself is reaped silently: a resource
-    tracker that saw its worker go, cleaned up and exited)."""
+    """Reaped now if it has ended (one that ends by itself is reaped silently)."""
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
