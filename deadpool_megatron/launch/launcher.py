@@ -35,9 +35,9 @@ from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.console import Console, default_log_dir
 from deadpool_megatron.launch.coordinator import STOPPED, Coordinator, EpochEnded, end_epoch
+from deadpool_megatron.launch.orphans import Orphans
 from deadpool_megatron.launch.preload import Preloader, start_preloader
 from deadpool_megatron.launch.worker_flags import worker_flags
-from deadpool_megatron.launch.orphans import Orphans
 from deadpool_megatron.launch.workers import LocalWorkers
 from deadpool_megatron.metrics.events import EventLog
 

@@ -32,6 +32,9 @@ from deadpool_megatron.launch.orphans import Orphans
 from deadpool_megatron.launch.preload import PreloadedProcess, PreloadError, Preloader
 
 log = logging.getLogger("deadpool_megatron.launch")
+# A dead worker's orphans are looked for this long after its exit is reported, not in the
+# same pass: host 0's declaration, next in the launcher's loop, does not wait for the scan.
+SWEEP_AFTER_S = 0.1
 REPORT_S = 0.2  # how often a host publishes its workers' progress (its heartbeat)
 DUMP_BEFORE_KILL_S = 0.3  # a hung worker prints its stacks (SIGUSR1) this long before SIGKILL
 
@@ -54,6 +57,7 @@ class LocalWorkers:
         # own children are not: the preloader, and the workers it starts without one.
         self.orphans = orphans or Orphans(adopted=False)
         self._own_pids = {preloader.proc.pid} if preloader is not None else set()
+        self._sweep_at = 0.0  # when to look for them (0: no exit since the last look)
         self.log_dir = log_dir  # each worker's output: log_dir/<worker>.log (launch/console.py)
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
         self.procs: dict[str, subprocess.Popen | PreloadedProcess] = {}
@@ -139,11 +143,14 @@ class LocalWorkers:
                 self.store.append(keys.EXITED, f"{worker},")
                 self.store.add(keys.EXITS, 1)
                 exited = True
+        now = time.monotonic()
         if exited:  # its orphans were adopted as it died, before its exit was seen
+            self._sweep_at = now + SWEEP_AFTER_S
+        if self._sweep_at and now >= self._sweep_at:
+            self._sweep_at = 0.0
             self._stop_orphans()
         elif self.orphans.pending:
             self.orphans.tick()
-        now = time.monotonic()
         if now >= self._next_control:
             self._next_control = now + self.follow_s
             self._follow_host0()
