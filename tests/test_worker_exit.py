@@ -1,13 +1,15 @@
 """Nothing a worker started stays after it: when it leaves with os._exit (training/driver.py
-exit_now), nor when it is killed (launch/orphans.py)."""
+exit_now), nor when it is killed (launch/orphans.py); nor what a killed launcher made."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,3 +134,23 @@ def test_an_orphan_is_asked_to_stop_then_killed_and_always_reaped(tmp_path: Path
     assert not any(f"pid {result['plain']} ignored" in line for line in said), said
     for name in ("ended", "settling"):
         assert not any(f"pid {result[name]} " in line for line in said), said
+
+
+def test_a_dead_launchers_progress_directory_is_removed_by_the_next() -> None:
+    """A SIGKILLed launcher (a lost host) leaves its epoch's progress records in tmpfs; the
+    next launcher on the host removes those whose launcher is gone, never a live one's."""
+    from deadpool_megatron.launch.workers import PROGRESS_PREFIX, progress_directory
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    dead = tempfile.mkdtemp(prefix=f"{PROGRESS_PREFIX}{gone.pid}-", dir=base)
+    live = tempfile.mkdtemp(prefix=f"{PROGRESS_PREFIX}{os.getppid()}-", dir=base)
+    Path(dead, "w0").write_bytes(b"\0" * 88)
+    made = progress_directory()
+    try:
+        assert not os.path.exists(dead) and os.path.isdir(live)
+        assert Path(made).name.startswith(f"{PROGRESS_PREFIX}{os.getpid()}-")
+    finally:
+        for path in (dead, live, made):
+            shutil.rmtree(path, ignore_errors=True)

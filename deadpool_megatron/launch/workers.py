@@ -66,8 +66,7 @@ class LocalWorkers:
         self._kill_at: dict[str, float] = {}
         self._signals_sent: set[tuple[str, int]] = set()  # (worker, deadpool-inject id)
         self._requests = RequestReader()  # deadpool-inject's requests, for the nudges
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.progress_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
+        self.progress_dir = progress_directory()
         self._seq = 0
         self._next_report = 0.0
         self._next_control = 0.0
@@ -254,6 +253,31 @@ class LocalWorkers:
                 proc.wait(timeout=10)
         self._stop_orphans()
         shutil.rmtree(self.progress_dir, ignore_errors=True)
+
+
+PROGRESS_PREFIX = "deadpool-progress-"
+
+
+def progress_directory() -> str:
+    """A new directory for an epoch's progress records and nudge words, in tmpfs where there
+    is one, named after this launcher's pid. Those of launchers that are gone are removed
+    first: a launcher that is SIGKILLed (a lost host) cannot remove its own."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for name in os.listdir(shm):
+        owner = name[len(PROGRESS_PREFIX):].split("-", 1)[0]
+        if name.startswith(PROGRESS_PREFIX) and owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(os.path.join(shm, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{PROGRESS_PREFIX}{os.getpid()}-", dir=shm)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def host_report(seq: int, views: dict[str, dict]) -> dict:
