@@ -10,8 +10,8 @@ So the launcher becomes a child subreaper (Linux's PR_SET_CHILD_SUBREAPER) befor
 starts anything: a dead worker's descendants become its children, not init's, through
 the preloader too (every process forked after the flag is set finds it). After each
 worker exit it stops every child of its own that it did not start and that does not end
-by itself (SIGTERM after SETTLE_S, SIGKILL GRACE_S later), and reaps it. No process group or session is involved, so Ctrl-C and a
-scheduler's signals reach the workers as before.
+by itself (SIGTERM after SETTLE_S, SIGKILL GRACE_S later), and reaps it. No process group
+or session is involved, so Ctrl-C and a scheduler's signals reach the workers as before.
 """
 
 from __future__ import annotations
@@ -39,21 +39,25 @@ def become_subreaper() -> bool:
     return prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def children_of(pid: int, proc: str = "/proc") -> list[int]:
+def stat_fields(pid: int) -> list[str]:
+    """A process's /proc stat fields after its name: [state, ppid, ...] ([] if gone).
+    "pid (comm) state ppid ...": comm may hold spaces and parentheses."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return []
+    return stat[stat.rfind(")") + 2:].split()
+
+
+def children_of(pid: int) -> list[int]:
     """The live (or unreaped) processes whose parent is `pid`, read from /proc."""
     out = []
-    for name in os.listdir(proc):
-        if not name.isdigit():
-            continue
-        try:
-            with open(os.path.join(proc, name, "stat"), "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            out.append(int(name))
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = stat_fields(int(name))
+            if len(fields) > 1 and int(fields[1]) == pid:
+                out.append(int(name))
     return out
 
 

@@ -28,7 +28,7 @@ from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.child import die_with_parent
 from deadpool_megatron.launch.config import LaunchConfig
-from deadpool_megatron.launch.orphans import Orphans
+from deadpool_megatron.launch.orphans import Orphans, stat_fields
 from deadpool_megatron.launch.preload import PreloadedProcess, PreloadError, Preloader
 
 log = logging.getLogger("deadpool_megatron.launch")
@@ -316,8 +316,5 @@ def worker_view(rec: progress.Progress, now_ns: int, os_state: str) -> dict:
 
 def _os_state(pid: int) -> str:
     """The /proc state letter of a process (R running, S sleeping, T stopped, ...)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+    fields = stat_fields(pid)
+    return fields[0] if fields else "?"
