@@ -114,7 +114,11 @@ def test_the_kill_test_fault_parses() -> None:
     from deadpool_megatron.faults.megatron_faults import MegatronFault
 
     fault = MegatronFault.parse("kill rank=1 at=backward call=65")
-    assert (fault.action, fault.rank, fault.at, fault.call) == ("kill", 1, "backward", 65)
+    assert (fault.action, fault.ranks, fault.at, fault.call) == ("kill", (1,), "backward", 65)
+    ecc = MegatronFault.parse("raise rank=1,6 at=save error=ecc")
+    assert ecc.names(6) and not ecc.names(2) and ecc.error == "ecc"
+    with pytest.raises(ValueError, match="unknown error='xid'"):
+        MegatronFault.parse("raise rank=1 at=save error=xid")
 
 
 def test_restart_phases_after_the_kill() -> None:

@@ -508,6 +508,26 @@ def test_a_save_that_fails_on_every_rank_ends_hot_swap_with_its_error(
 
 
 @pytest.mark.fault_matrix
+def test_two_gpus_hardware_errors_alike_in_one_save_are_each_hot_swapped(
+        plain, tmp_path: Path) -> None:
+    """Rank 1 (node 0) and rank 6 (node 1) raise "CUDA error: uncorrectable ECC error
+    encountered" in their first save, after iteration 2: the same error, in the same place,
+    in two failure domains, as an error of the work would be. But it names a fault of the
+    GPU (control/alike.py MACHINE_SIGNS), which a spare cures: both are hot-swapped and the
+    run goes on from the buddies' memory, no restart (before, hot-swap ended "failed alike
+    after iteration 2 ... in 2 failure domains" and every worker restarted)."""
+    job, events = _restarted_after(tmp_path, "raise rank=1,6 at=save error=ecc")
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert job.output.count("test fault: raise in save") == 2, job.describe()
+    assert "hot-swap impossible" not in job.output and "restarting" not in job.output, \
+        job.describe()
+    declared = [r for e in events if e["event"] == "generation_declared"
+                for r in e["failed_ranks"]]
+    assert sorted(declared) == [1, 6], job.describe()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+@pytest.mark.fault_matrix
 def test_an_error_the_spare_meets_again_ends_hot_swap_with_its_error(
         plain, tmp_path: Path) -> None:
     """A CUDA error in iteration 3's forward on whichever worker holds rank 2 (a fault of

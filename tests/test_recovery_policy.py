@@ -113,6 +113,26 @@ def test_an_error_alike_between_iterations_is_compared_there() -> None:
     assert alike_in_training([saves[0], in_step], ranks_per_node=4) == []
 
 
+def test_a_gpus_hardware_error_is_never_alike() -> None:
+    """An uncorrectable ECC error on rank 1 (node 0) and on rank 6 (node 1) in one save, or
+    on one rank and again on its spare: two GPUs' faults, each cured by a spare. The same
+    two ranks failing alike of an illegal address (sometimes the work's): the work's."""
+    ecc = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    two = [Failure(f"w{r}", r, 0, error_kind(ecc), 2, ecc, after=True) for r in (1, 6)]
+    assert alike_in_training(two, ranks_per_node=4) == []
+    again = [_own("w3", 3, ecc, 5), _own("s0.0", 3, ecc, 5, generation=1)]
+    assert alike_in_training(again, ranks_per_node=4) == []
+    assert alike_before_built([_own("w1", 1, ecc), _own("w6", 6, ecc)]) is None
+    assert alike_before_built([_own("w1", 1, ecc), _own("w6", 6, "OSError: no"),
+                               _own("w7", 7, "OSError: no")]).worker == "w6"
+    nvlink = "RuntimeError: CUDA error: uncorrectable NVLink error was detected during the " \
+             "execution"
+    assert alike_in_training([_own(f"w{r}", r, nvlink, 4) for r in (1, 6)], 4) == []
+    illegal = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    work = [_own(f"w{r}", r, illegal, 4) for r in (1, 6)]
+    assert alike_in_training(work, ranks_per_node=4) == work
+
+
 def test_an_error_the_spare_meets_again_is_the_works() -> None:
     """Rank 3's error in iteration 5, then the same on the spare that redid rank 3's work:
     whatever the domain, a spare would meet it too. Another iteration: a new failure."""

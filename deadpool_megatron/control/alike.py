@@ -5,6 +5,11 @@ machine (a GPU, a host), not one of the work itself: a configuration every rank 
 NaN, a bad sample, a bug at some iteration. Such errors show as the same error on several
 ranks, or again on the spare. Replacing them rank by rank would only spend the spares, and
 then end as 'spares exhausted' or 'shards lost', the real cause in the workers' logs.
+An error that names a fault of the machine itself (MACHINE_SIGNS: a GPU's uncorrectable
+memory or link error, a GPU gone from its bus) is never alike: two such errors in one
+iteration are two machines' faults, each cured by a spare. The signs are CUDA's and the
+driver's own words for hardware, kept narrow on purpose: an error that is sometimes the
+work's (an illegal address, an unspecified launch failure, out of memory) is not one.
 Pure functions over plain data, as the other policies.
 """
 
@@ -12,6 +17,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+
+# CUDA runtime's and driver's messages for a fault of the GPU or its links, not of the
+# work (cudaErrorECCUncorrectable, cudaErrorNvlinkUncorrectable, cudaErrorHardwareStackError,
+# the driver's "fallen off the bus" and "GPU is lost").
+MACHINE_SIGNS = (
+    "uncorrectable ECC error", "uncorrectable NVLink error", "hardware stack error",
+    "fallen off the bus", "GPU is lost",
+)
+
+
+def names_a_machine(kind: str) -> bool:
+    """Whether an error's kind (error_kind) names a fault of the machine, never alike."""
+    return any(sign.lower() in kind.lower() for sign in MACHINE_SIGNS)
 
 
 def error_kind(report: str, host_name: str = "") -> str:
@@ -49,7 +68,7 @@ def alike_before_built(failures: list[Failure]) -> Failure | None:
     configuration's or the machine image's (a flag Megatron accepts but cannot run here, a
     missing package). None if fewer than two, or if they differ: then each is a rank's own
     failure, replaced as usual."""
-    own = [f for f in failures if f.kind]
+    own = [f for f in failures if f.kind and not names_a_machine(f.kind)]
     if len(own) < 2 or len({f.kind for f in own}) != 1:
         return None
     return min(own, key=lambda f: f.worker)
@@ -69,7 +88,7 @@ def alike_in_training(failures: list[Failure], ranks_per_node: int) -> list[Fail
     consequences can look alike on many ranks, and are not an error of their own."""
     groups: dict[tuple[str, int, bool], list[Failure]] = {}
     for f in failures:
-        if f.kind and f.iteration is not None:
+        if f.kind and f.iteration is not None and not names_a_machine(f.kind):
             groups.setdefault((f.kind, f.iteration, f.after), []).append(f)
     for key, group in sorted(groups.items(), key=lambda item: item[0][1:]):
         ranks = [f.rank for f in group]

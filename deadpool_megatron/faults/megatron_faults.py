@@ -7,6 +7,9 @@ that started as that rank (a spare taking the rank later is not affected):
 
     "raise rank=2 at=forward call=13"   RuntimeError("CUDA error: an illegal memory access
                                         was encountered") from TransformerLayer.forward
+    "raise rank=1,6 at=save error=ecc"  RuntimeError("CUDA error: uncorrectable ECC error
+                                        encountered"), a GPU's hardware fault, in ranks 1
+                                        and 6 (a list of ranks: each of them)
     "raise rank=all at=save"            OSError(ENOSPC, "No space left on device") from
                                         megatron.core.dist_checkpointing.save, in every
                                         rank's first save (a full file system); rank=all:
@@ -61,25 +64,38 @@ from typing import Any, Callable
 ENV = "DEADPOOL_TEST_MEGATRON_FAULT"
 ALL = -1  # rank=all
 CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
+ECC_ERROR = "CUDA error: uncorrectable ECC error encountered"  # a GPU's own fault
+ERRORS = {"illegal": CUDA_ERROR, "ecc": ECC_ERROR}  # error=...: what `raise` raises
 
 
 @dataclass(frozen=True)
 class MegatronFault:
     action: str  # raise, nan, kill, block, gil, stop, sleep
-    rank: int  # ALL: every rank
+    ranks: tuple[int, ...]  # (ALL,): every rank
     at: str  # forward, backward, save, gloo
     call: int = 1
     seconds: float = 0.0
     iteration: int = 0  # a fault of the work: fires in iteration N in the rank's holder
+    error: str = ""  # a key of ERRORS; "": the place's own (ENOSPC in a save, else illegal)
 
     @classmethod
     def parse(cls, text: str) -> "MegatronFault":
         words = text.split()
         fields = dict(w.split("=", 1) for w in words[1:])
-        rank = ALL if fields["rank"] == "all" else int(fields["rank"])
-        return cls(action=words[0], rank=rank, at=fields["at"],
-                   call=int(fields.get("call", 1)), seconds=float(fields.get("seconds", 0)),
-                   iteration=int(fields.get("iter", 0)))
+        ranks = tuple(int(r) for r in fields["rank"].split(",")) \
+            if fields["rank"] != "all" else (ALL,)
+        return cls(action=words[0], ranks=ranks,
+                   at=fields["at"], call=int(fields.get("call", 1)),
+                   seconds=float(fields.get("seconds", 0)), iteration=int(fields.get("iter", 0)),
+                   error=fields.get("error", ""))
+
+    def __post_init__(self) -> None:
+        if self.error and self.error not in ERRORS:
+            raise ValueError(f"{ENV}: unknown error={self.error!r}; one of {sorted(ERRORS)}")
+
+    def names(self, rank: int) -> bool:
+        """Whether `rank` is one the fault names."""
+        return ALL in self.ranks or rank in self.ranks
 
     def due(self, calls: int) -> bool:
         """Whether the patched function's `calls`th call in this process fires it."""
@@ -88,12 +104,12 @@ class MegatronFault:
         import torch.distributed as dist
         from megatron.training import get_args
 
-        return self.rank in (ALL, dist.get_rank()) and \
+        return self.names(dist.get_rank()) and \
             get_args().curr_iteration + 1 == self.iteration
 
     def mine(self, rank: int | None) -> bool:
         """Whether the worker that started as `rank` (None: a spare) is patched."""
-        return bool(self.iteration) or (rank is not None and self.rank in (ALL, rank))
+        return bool(self.iteration) or (rank is not None and self.names(rank))
 
 
 def _hold_gil(seconds: float) -> None:
@@ -120,11 +136,11 @@ def _failing(fault: MegatronFault, fn: Callable) -> Callable:
             fired = True
             print(f"test fault: {fault.action} in {fault.at} (call {calls}) at "
                   f"{time.time():.3f}", flush=True)
-            if fault.action == "raise" and fault.at == "save":
+            if fault.action == "raise" and fault.at == "save" and not fault.error:
                 where = kwargs.get("checkpoint_dir", args[1] if len(args) > 1 else "")
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
             if fault.action == "raise":
-                raise RuntimeError(CUDA_ERROR)
+                raise RuntimeError(ERRORS[fault.error or "illegal"])
             if fault.action == "nan":
                 return _poisoned(fn(*args, **kwargs))
             if fault.action == "kill":
