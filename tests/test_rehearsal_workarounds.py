@@ -384,7 +384,8 @@ def groups(shared):
             dist.new_group = original
         mine = [pg for pg in dist.distributed_c10d._world.pg_map if pg is not dist.group.WORLD]
         same = ps.get_tensor_model_parallel_group() is ps.get_expert_tensor_parallel_group()
-        print(len(calls), len(set(calls)), len(mine), same)
+        world = ps.get_intra_distributed_optimizer_instance_group() is dist.group.WORLD
+        print(len(calls), len(set(calls)), len(mine), same, world)
 
 groups(False)
 groups(True)
@@ -394,12 +395,15 @@ groups(True)
 def test_shared_gloo_groups_needed_and_work() -> None:
     out = _python(SHARED_GROUPS)
     assert out.returncode == 0, out.stderr
-    (calls, distinct, made, same), (_, _, made_shared, same_shared) = (
+    (calls, distinct, made, same, world), (_, _, made_shared, same_shared, world_shared) = (
         line.split() for line in out.stdout.split("\n")[:2])
     assert int(calls) > int(distinct), (
         "Megatron no longer makes groups with equal members: retire 'shared-gloo-groups'")
     assert same == "False" and int(made) > int(made_shared)
     assert same_shared == "True"
+    # The distributed optimizer's instance group (the world, one instance) is the default
+    # group, not a second full mesh of the world.
+    assert world == "False" and world_shared == "True"
 
 
 GLOO_COPIES = """

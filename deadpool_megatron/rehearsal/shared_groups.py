@@ -13,6 +13,12 @@ Every rank also calls new_group for every group of the world, its own or not: so
 calls per rank at 8 ranks, twice that at 16, all on the same 2 cores. For a gloo group a
 rank is not in, torch only counts the call (the count names the next group), so the count
 is advanced here without the call.
+
+A Megatron group of the whole world (the distributed optimizer's instance group with one
+instance, the model-parallel group where data parallelism is 1) is the default group: the
+same members, used by the same training thread. Each would otherwise be a second full mesh
+of the world, made again at every recovery since a world-sized group always holds the
+replaced rank (16 ms of 100 at 8 ranks here).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ def groups_shared_by_members() -> Iterator[dict[tuple, Any]]:
     makes the same choice. Yields the groups made, by members."""
     original = dist.new_group
     made: dict[tuple, Any] = {}
+    if dist.is_initialized():
+        world = tuple(range(dist.get_world_size()))
+        made[(world, _backend(None), False)] = c10d._get_default_group()
 
     def new_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
         members = tuple(sorted(ranks)) if ranks is not None else None
