@@ -60,6 +60,10 @@ def test_chaos_plan_is_reproducible_from_its_seed() -> None:
     assert plan != chaos_plan(8, 5.0, 100.0, ["kill", "raise"], 8, 6)
     assert len(plan) == 6 and all(p.at_s <= 100 for p in plan)
     assert [p.at_s for p in plan] == sorted(p.at_s for p in plan)
+    nodes = chaos_plan(3, 5.0, 100.0, ["kill", "node"], 8, 12, ranks_per_node=4)
+    specs = {p.spec.rsplit("=", 1)[0] for p in nodes}
+    assert specs == {"kill rank", "kill node"}, nodes
+    assert {int(p.spec.rsplit("=", 1)[1]) for p in nodes if "node" in p.spec} <= {0, 1}
 
 
 class _Store:

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbf", type=float, default=15.0, help="mean seconds between faults")
     p.add_argument("--seed", type=int, default=3,
                    help="3 draws 2 kills, 1 hang and 3 exceptions among the first six")
-    p.add_argument("--actions", default="kill,hang,raise")
+    p.add_argument("--actions", default="kill,hang,raise",
+                   help="what to draw from: kill, hang, raise (one rank each), node (a "
+                        "failure domain's ranks killed at once, a lost host)")
     p.add_argument("--loop", choices=("megatron", "reduced"), default="reduced",
                    help="megatron: pretrain_scripts/pretrain_gpt.py (Megatron-LM's pretrain(), "
                         "what users run); reduced: the test suite's reduced loop")

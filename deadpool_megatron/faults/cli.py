@@ -25,6 +25,7 @@ from deadpool_megatron.faults.remote import delivery_of
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault
 
 CHAOS_ACTIONS = ("kill", "hang", "raise")
+CHAOS_ALLOWED = ("kill", "term", "hang", "raise", "node")  # node: a failure domain killed
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,10 @@ class PlannedFault:
 
 
 def chaos_plan(seed: int, mtbf_s: float, duration_s: float, actions: Sequence[str],
-               world: int, max_faults: int) -> list[PlannedFault]:
+               world: int, max_faults: int, ranks_per_node: int = 1) -> list[PlannedFault]:
     """Exponential gaps of mean `mtbf_s` (failures as a Poisson process), each a random
-    action on a random rank; the same seed gives the same plan."""
+    action on a random rank, or for the action `node` a whole failure domain killed at
+    once (a host lost); the same seed gives the same plan."""
     rng = random.Random(seed)
     plan: list[PlannedFault] = []
     t = 0.0
@@ -44,8 +46,10 @@ def chaos_plan(seed: int, mtbf_s: float, duration_s: float, actions: Sequence[st
         t += rng.expovariate(1.0 / mtbf_s)
         if t > duration_s:
             break
-        plan.append(PlannedFault(round(t, 3), f"{rng.choice(list(actions))} "
-                                              f"rank={rng.randrange(world)}"))
+        action = rng.choice(list(actions))
+        spec = f"kill node={rng.randrange(world // ranks_per_node)}" if action == "node" \
+            else f"{action} rank={rng.randrange(world)}"
+        plan.append(PlannedFault(round(t, 3), spec))
     return plan
 
 
@@ -68,7 +72,7 @@ def _inject(job: JobControl, spec: str, t0: float, log: TextIO | None) -> int:
 
 def _chaos(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> int:
     plan = chaos_plan(args.seed, args.mtbf, args.duration, args.actions.split(","),
-                      job.shape.world, args.max_faults)
+                      job.shape.world, args.max_faults, job.shape.ranks_per_node)
     print(json.dumps({"chaos": {"seed": args.seed, "mtbf_s": args.mtbf,
                                 "duration_s": args.duration, "planned": len(plan)}}),
           file=sys.stderr, flush=True)
@@ -138,7 +142,9 @@ def parser() -> argparse.ArgumentParser:
     chaos.add_argument("--seed", type=int, default=0)
     chaos.add_argument("--duration", type=float, default=300.0, help="seconds of chaos")
     chaos.add_argument("--actions", default=",".join(CHAOS_ACTIONS),
-                       help="comma-separated actions to draw from")
+                       help="comma-separated actions to draw from: kill, term, hang and "
+                            "raise hit one rank; node kills a failure domain's ranks at "
+                            "once, as a lost host")
     chaos.add_argument("--max-faults", type=int, default=1_000_000,
                        help="at most this many (spares are not replenished: keep it at or "
                             "under the job's spares)")
@@ -157,10 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if modes != 1:
         p.error("give exactly one of: a fault spec, --chaos, --replay FILE")
     if args.chaos:
-        bad = set(args.actions.split(",")) - {"kill", "term", "hang", "raise"}
+        bad = set(args.actions.split(",")) - {*CHAOS_ALLOWED}
         if bad or args.mtbf <= 0 or args.duration <= 0:
             p.error(f"--chaos needs --mtbf > 0, --duration > 0 and --actions from "
-                    f"kill,term,hang,raise (got {args.actions!r})")
+                    f"{','.join(CHAOS_ALLOWED)} (got {args.actions!r})")
     # torch's own connection retries print C++ stack traces; our error says it in one line
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     try:
