@@ -66,6 +66,32 @@ def test_chaos_plan_is_reproducible_from_its_seed() -> None:
     assert {int(p.spec.rsplit("=", 1)[1]) for p in nodes if "node" in p.spec} <= {0, 1}
 
 
+def test_the_next_chaos_fault_waits_until_the_last_one_is_declared(monkeypatch) -> None:
+    """A killed rank's signal reaches it through its launcher, and a hang is found only at
+    the progress timeout: meanwhile the job goes on for iterations, which must not count as
+    quiet ones after a recovery (chaos soak seed 156: a spare killed, its successor's buddy
+    killed 0.2 s later while it restored from it, 2 iterations after the first kill was
+    injected). The wait ends at a newer generation, or a restart's new epoch."""
+    from deadpool_megatron.faults import job as job_module
+    from deadpool_megatron.faults.job import InjectError, JobControl, Progress
+
+    monkeypatch.setattr(job_module, "POLL_S", 0.0)
+    members = {r: f"w{r}" for r in range(8)}
+    injected = Progress(1, 6, members, epoch=0)
+    seen = iter([Progress(1, 8, members), Progress(1, 9, members), Progress(2, 6, members),
+                 Progress(2, 7, members)])
+    job = JobControl.__new__(JobControl)
+    job.where = "h:1"
+    job.progress = lambda: next(seen)  # type: ignore[method-assign]
+    assert job.wait_taken(injected, timeout_s=5) == Progress(2, 6, members)
+    restarted = iter([Progress(1, 9, members), Progress(0, 4, members, epoch=1)])
+    job.progress = lambda: next(restarted)  # type: ignore[method-assign]
+    assert job.wait_taken(injected, timeout_s=5).epoch == 1
+    job.progress = lambda: Progress(1, 40, members)  # type: ignore[method-assign]
+    with pytest.raises(InjectError, match="declared no generation after 1"):
+        job.wait_taken(injected, timeout_s=0.05)
+
+
 class _Store:
     """The two calls the worker side makes, over a dict (values already verified)."""
 

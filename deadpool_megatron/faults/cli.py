@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence, TextIO
 
 from deadpool_megatron.control.auth import ENV, TokenError, read_token_file
-from deadpool_megatron.faults.job import InjectError, JobControl, JobEnded
+from deadpool_megatron.faults.job import InjectError, JobControl, JobEnded, Progress
 from deadpool_megatron.faults.remote import delivery_of
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault
 
@@ -61,13 +61,13 @@ def _emit(record: dict, log: TextIO | None) -> None:
         log.flush()
 
 
-def _inject(job: JobControl, spec: str, t0: float, log: TextIO | None) -> int:
+def _inject(job: JobControl, spec: str, t0: float, log: TextIO | None) -> Progress:
     request, progress = job.inject(spec)
     _emit({"t": round(time.monotonic() - t0, 3), "id": request.id, "spec": spec,
            "ranks": request.ranks, "workers": request.workers,
            "generation": request.generation, "iteration": progress.iteration,
            "delivery": request.delivery}, log)
-    return progress.iteration
+    return progress
 
 
 def _chaos(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> int:
@@ -85,8 +85,10 @@ def _chaos(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> int
                 time.sleep(min(0.2, remaining))
             job.wait_for(max(last + args.quiet_iterations, args.after_iteration),
                          args.wait_timeout)
-            last = _inject(job, fault.spec, t0, log)
+            injected_at = _inject(job, fault.spec, t0, log)
             injected += 1
+            job.wait_taken(injected_at, args.wait_timeout)  # one fault at a time
+            last = injected_at.iteration
     except JobEnded as end:
         print(f"deadpool-inject: chaos stopped after {injected} faults: {end}",
               file=sys.stderr)
@@ -99,7 +101,7 @@ def _replay(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> in
         records = [json.loads(line) for line in f if line.strip()]
     for record in records:
         job.wait_for(int(record["iteration"]), args.wait_timeout)
-        _inject(job, record["spec"], t0, log)
+        job.wait_taken(_inject(job, record["spec"], t0, log), args.wait_timeout)
     return 0
 
 

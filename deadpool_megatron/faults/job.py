@@ -38,6 +38,7 @@ class Progress:
     generation: int
     iteration: int  # the lowest iteration any current member has reached
     members: dict[int, str]
+    epoch: int = 0  # launches of the job's workers (a restart from --save begins the next)
 
 
 class JobControl:
@@ -120,7 +121,23 @@ class JobControl:
                            f"{str(err).splitlines()[0][:200]}") from None
         reached = [int(views[w]["it"]) if w in views and int(views[w]["g"]) == generation
                    else -1 for w in members.values()]
-        return Progress(generation, min(reached, default=-1), members)
+        return Progress(generation, min(reached, default=-1), members, epoch)
+
+    def wait_taken(self, injected: Progress, timeout_s: float) -> Progress:
+        """Wait until a fault injected at `injected` has been acted on: a newer generation
+        declared (the failed ranks replaced) or a restart. Until then the job may go on for
+        iterations (a signal is delivered by the target's launcher, a hang found only at the
+        progress timeout), and a wait for iterations alone would count them as quiet ones
+        after a recovery that has not begun."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            p = self.progress()
+            if (p.epoch, p.generation) > (injected.epoch, injected.generation):
+                return p
+            if time.monotonic() > deadline:
+                raise InjectError(f"the job at {self.where} declared no generation after "
+                                  f"{injected.generation} within {timeout_s:.0f} s of a fault")
+            time.sleep(POLL_S)
 
     def wait_for(self, iteration: int, timeout_s: float) -> Progress:
         """Wait until every member of the current generation has reached `iteration` in
