@@ -17,7 +17,7 @@ import pytest
 
 from conftest import GPT_3D_ARGS, REPO
 from deadpool_megatron.control import keys
-from deadpool_megatron.faults.cli import chaos_plan
+from deadpool_megatron.faults.cli import IN_RECOVERY_S, chaos_plan
 from deadpool_megatron.faults.injector import FaultInjector
 from deadpool_megatron.faults.remote import InjectRequest, JobShape, delivery_of, resolve
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault
@@ -64,6 +64,16 @@ def test_chaos_plan_is_reproducible_from_its_seed() -> None:
     specs = {p.spec.rsplit("=", 1)[0] for p in nodes}
     assert specs == {"kill rank", "kill node"}, nodes
     assert {int(p.spec.rsplit("=", 1)[1]) for p in nodes if "node" in p.spec} <= {0, 1}
+    # Faults during the last one's recovery: drawn only when asked (a seed's plan is
+    # otherwise unchanged), never the first, within IN_RECOVERY_S of the declaration.
+    during = chaos_plan(7, 5.0, 100.0, ["kill", "raise"], 8, 6, in_recovery=0.5)
+    assert [p.spec for p in during[:2]] == [p.spec for p in plan[:2]]
+    assert plan[0].in_recovery_s is None and during[0].in_recovery_s is None
+    drawn = [p.in_recovery_s for p in chaos_plan(1, 5.0, 1e6, ["kill"], 8, 200,
+                                                 in_recovery=0.5)]
+    assert 60 < sum(d is not None for d in drawn) < 140
+    assert all(0 <= d <= IN_RECOVERY_S for d in drawn if d is not None)
+    assert all(p.in_recovery_s is None for p in plan)
 
 
 def test_the_next_chaos_fault_waits_until_the_last_one_is_declared(monkeypatch) -> None:

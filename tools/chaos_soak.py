@@ -8,11 +8,14 @@ run without failures.
 
 Spares are not replenished (a spare that took a rank is a rank from then on), so the job gets
 as many spares as faults may be injected. Faults come one at a time: the next waits until
-the job has recovered and made --quiet-iterations more. Faults close together can end
-hot-swap by design (a rank and its buddy lost in one declaration, spares run out); with
+the last one's failure is declared, then until the job has recovered and made
+--quiet-iterations more; with --in-recovery P a fault lands during the last one's recovery
+instead, with probability P. Some endings of hot-swap are by design (a rank and its buddy
+lost in one recovery, spares run out: a `node` fault takes a failure domain's worth); with
 --save-interval the job writes durable checkpoints and falls back to the newest durable
-state then, so that every run must end with the failure-free fingerprint. It prints a JSON summary (faults
-injected by action, recoveries, wall time, both fingerprints) and exits 0 only if the
+state then, so that every run must end with the failure-free fingerprint. It prints a JSON
+summary (faults injected by action, recoveries, wall time, both fingerprints) and exits 0
+only if the
 fingerprints match; the chaos log (--out/chaos.jsonl) replays the same faults with
 `deadpool-inject --replay`.
 """
@@ -51,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actions", default="kill,hang,raise",
                    help="what to draw from: kill, hang, raise (one rank each), node (a "
                         "failure domain's ranks killed at once, a lost host)")
+    p.add_argument("--in-recovery", type=float, default=0.0, metavar="P",
+                   help="the probability that a fault lands during the last one's recovery "
+                        "(deadpool-inject --in-recovery): a failure during a recovery, which "
+                        "can lose a rank with its buddy and end hot-swap by design")
     p.add_argument("--loop", choices=("megatron", "reduced"), default="reduced",
                    help="megatron: pretrain_scripts/pretrain_gpt.py (Megatron-LM's pretrain(), "
                         "what users run); reduced: the test suite's reduced loop")
@@ -85,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
              str(port), "--job-token-file", str(token), "--chaos", "--mtbf", str(ns.mtbf),
              "--seed", str(ns.seed), "--duration", str(ns.timeout), "--max-faults",
              str(ns.faults), "--actions", ns.actions, "--quiet-iterations",
-             str(ns.quiet_iterations), "--after-iteration", "2", "--log", str(chaos_log),
+             str(ns.quiet_iterations), "--in-recovery", str(ns.in_recovery),
+             "--after-iteration", "2", "--log", str(chaos_log),
              "--wait-timeout", str(ns.timeout)],
             capture_output=True, text=True, timeout=ns.timeout + 60, cwd=REPO))
 
@@ -116,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "loop": ns.loop, "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
         "faults_injected": len(injected),
         "by_action": dict(Counter(r["spec"].split()[0] for r in injected)),
+        "in_recovery": sum("in_recovery_s" in r for r in injected),
         "faults": [f"{r['spec']} (worker {','.join(r['workers'])}, iteration "
                    f"{r['iteration']})" for r in injected],
         "recoveries": len(declared),

@@ -26,19 +26,27 @@ from deadpool_megatron.faults.spec import FaultSpecError, parse_fault
 
 CHAOS_ACTIONS = ("kill", "hang", "raise")
 CHAOS_ALLOWED = ("kill", "term", "hang", "raise", "node")  # node: a failure domain killed
+IN_RECOVERY_S = 0.8  # a fault during a recovery lands this long after its declaration, at most
 
 
 @dataclass(frozen=True)
 class PlannedFault:
     at_s: float  # seconds after the chaos run started
     spec: str
+    # Injected this long after the last fault's declaration, during its recovery, instead
+    # of at at_s after quiet iterations (None: the latter).
+    in_recovery_s: float | None = None
 
 
 def chaos_plan(seed: int, mtbf_s: float, duration_s: float, actions: Sequence[str],
-               world: int, max_faults: int, ranks_per_node: int = 1) -> list[PlannedFault]:
+               world: int, max_faults: int, ranks_per_node: int = 1,
+               in_recovery: float = 0.0) -> list[PlannedFault]:
     """Exponential gaps of mean `mtbf_s` (failures as a Poisson process), each a random
     action on a random rank, or for the action `node` a whole failure domain killed at
-    once (a host lost); the same seed gives the same plan."""
+    once (a host lost); with probability `in_recovery` a fault after the first lands
+    during the last one's recovery instead, up to IN_RECOVERY_S after its declaration
+    (what rehearses a failure during a recovery: the new members resolved, a spare
+    restoring, its buddy, the groups forming). The same seed gives the same plan."""
     rng = random.Random(seed)
     plan: list[PlannedFault] = []
     t = 0.0
@@ -49,7 +57,9 @@ def chaos_plan(seed: int, mtbf_s: float, duration_s: float, actions: Sequence[st
         action = rng.choice(list(actions))
         spec = f"kill node={rng.randrange(world // ranks_per_node)}" if action == "node" \
             else f"{action} rank={rng.randrange(world)}"
-        plan.append(PlannedFault(round(t, 3), spec))
+        during = rng.uniform(0.0, IN_RECOVERY_S) if in_recovery and plan and \
+            rng.random() < in_recovery else None
+        plan.append(PlannedFault(round(t, 3), spec, during))
     return plan
 
 
@@ -61,18 +71,22 @@ def _emit(record: dict, log: TextIO | None) -> None:
         log.flush()
 
 
-def _inject(job: JobControl, spec: str, t0: float, log: TextIO | None) -> Progress:
+def _inject(job: JobControl, spec: str, t0: float, log: TextIO | None,
+            in_recovery_s: float | None = None) -> Progress:
     request, progress = job.inject(spec)
     _emit({"t": round(time.monotonic() - t0, 3), "id": request.id, "spec": spec,
            "ranks": request.ranks, "workers": request.workers,
            "generation": request.generation, "iteration": progress.iteration,
-           "delivery": request.delivery}, log)
+           "delivery": request.delivery,
+           **({"in_recovery_s": in_recovery_s} if in_recovery_s is not None else {})},
+          log)
     return progress
 
 
 def _chaos(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> int:
     plan = chaos_plan(args.seed, args.mtbf, args.duration, args.actions.split(","),
-                      job.shape.world, args.max_faults, job.shape.ranks_per_node)
+                      job.shape.world, args.max_faults, job.shape.ranks_per_node,
+                      args.in_recovery)
     print(json.dumps({"chaos": {"seed": args.seed, "mtbf_s": args.mtbf,
                                 "duration_s": args.duration, "planned": len(plan)}}),
           file=sys.stderr, flush=True)
@@ -80,15 +94,18 @@ def _chaos(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> int
     injected = 0
     try:
         for fault in plan:
-            while (remaining := fault.at_s - (time.monotonic() - t0)) > 0:
-                job.check_running()
-                time.sleep(min(0.2, remaining))
-            job.wait_for(max(last + args.quiet_iterations, args.after_iteration),
-                         args.wait_timeout)
-            injected_at = _inject(job, fault.spec, t0, log)
+            if fault.in_recovery_s is not None:
+                time.sleep(fault.in_recovery_s)  # the last one's declaration was just seen
+            else:
+                while (remaining := fault.at_s - (time.monotonic() - t0)) > 0:
+                    job.check_running()
+                    time.sleep(min(0.2, remaining))
+                job.wait_for(max(last + args.quiet_iterations, args.after_iteration),
+                             args.wait_timeout)
+            injected_at = _inject(job, fault.spec, t0, log, fault.in_recovery_s)
             injected += 1
             job.wait_taken(injected_at, args.wait_timeout)  # one fault at a time
-            last = injected_at.iteration
+            last = max(last, injected_at.iteration)  # -1 when injected during a recovery
     except JobEnded as end:
         print(f"deadpool-inject: chaos stopped after {injected} faults: {end}",
               file=sys.stderr)
@@ -100,8 +117,12 @@ def _replay(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> in
     with open(args.replay) as f:
         records = [json.loads(line) for line in f if line.strip()]
     for record in records:
-        job.wait_for(int(record["iteration"]), args.wait_timeout)
-        job.wait_taken(_inject(job, record["spec"], t0, log), args.wait_timeout)
+        during = record.get("in_recovery_s")
+        if during is not None:  # after the last one's declaration, as in the chaos run
+            time.sleep(during)
+        else:
+            job.wait_for(int(record["iteration"]), args.wait_timeout)
+        job.wait_taken(_inject(job, record["spec"], t0, log, during), args.wait_timeout)
     return 0
 
 
@@ -150,6 +171,10 @@ def parser() -> argparse.ArgumentParser:
     chaos.add_argument("--max-faults", type=int, default=1_000_000,
                        help="at most this many (spares are not replenished: keep it at or "
                             "under the job's spares)")
+    chaos.add_argument("--in-recovery", type=float, default=0.0, metavar="P",
+                       help="the probability that a fault (after the first) lands during "
+                            "the last one's recovery, up to %.1f s after its declaration, "
+                            "instead of after --quiet-iterations" % IN_RECOVERY_S)
     chaos.add_argument("--quiet-iterations", type=int, default=2,
                        help="iterations the job must make after a fault (its recovery "
                             "included) before the next")
@@ -166,9 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("give exactly one of: a fault spec, --chaos, --replay FILE")
     if args.chaos:
         bad = set(args.actions.split(",")) - {*CHAOS_ALLOWED}
-        if bad or args.mtbf <= 0 or args.duration <= 0:
-            p.error(f"--chaos needs --mtbf > 0, --duration > 0 and --actions from "
-                    f"{','.join(CHAOS_ALLOWED)} (got {args.actions!r})")
+        if bad or args.mtbf <= 0 or args.duration <= 0 or not 0 <= args.in_recovery <= 1:
+            p.error(f"--chaos needs --mtbf > 0, --duration > 0, --in-recovery in [0, 1] "
+                    f"and --actions from {','.join(CHAOS_ALLOWED)} (got {args.actions!r})")
     # torch's own connection retries print C++ stack traces; our error says it in one line
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     try:
