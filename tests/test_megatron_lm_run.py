@@ -528,6 +528,30 @@ def test_two_gpus_hardware_errors_alike_in_one_save_are_each_hot_swapped(
 
 
 @pytest.mark.fault_matrix
+def test_a_schedulers_sigterm_in_megatrons_loop_ends_the_job_cleanly_and_it_resumes(
+        plain, tmp_path: Path) -> None:
+    """SIGTERM to the launcher and every worker (a scheduler's time limit) after iteration
+    3 of Megatron's loop: no worker dies of the signal (under hot-swap Megatron installs no
+    handler of its own: the driver leaves it to the launcher), the launcher stops the job
+    with 143 and says how to resume, and a relaunch with --load resumes from Megatron's
+    save after iteration 2 and ends with the failure-free fingerprint."""
+    save = tmp_path / "ckpt"
+    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "2"]
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
+    first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV,
+                         script=MEGATRON_GPT, term_at="iteration        3/")
+    assert first.returncodes == [143] and not first.timed_out, first.describe()
+    assert "SIGTERM: left to deadpool-launch" in first.output, first.describe()
+    assert "exited with -15" not in first.output, first.describe()
+    assert f"relaunch with --load {save}" in first.output, first.describe()
+    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
+                          timeout_s=400, env=ENV, script=MEGATRON_GPT)
+    assert second.ok and second.fingerprint == plain.fingerprint, second.describe()
+    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
+                     second.output), second.describe()
+
+
+@pytest.mark.fault_matrix
 def test_an_error_the_spare_meets_again_ends_hot_swap_with_its_error(
         plain, tmp_path: Path) -> None:
     """A CUDA error in iteration 3's forward on whichever worker holds rank 2 (a fault of

@@ -27,6 +27,9 @@ from deadpool_megatron.faults.spec import FaultSpecError, parse_fault
 CHAOS_ACTIONS = ("kill", "hang", "raise")
 CHAOS_ALLOWED = ("kill", "term", "hang", "raise", "node")  # node: a failure domain killed
 IN_RECOVERY_S = 0.8  # a fault during a recovery lands this long after its declaration, at most
+# Actions that end a rank, so that a declaration follows. A worker's own SIGTERM (term) is
+# left to its launcher, which acts only on its own: nothing is declared, nothing waited for.
+DECLARED = ("kill", "hang", "raise")
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ def _chaos(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> int
                              args.wait_timeout)
             injected_at = _inject(job, fault.spec, t0, log, fault.in_recovery_s)
             injected += 1
-            job.wait_taken(injected_at, args.wait_timeout)  # one fault at a time
+            if fault.spec.split()[0] in DECLARED:
+                job.wait_taken(injected_at, args.wait_timeout)  # one fault at a time
             last = max(last, injected_at.iteration)  # -1 when injected during a recovery
     except JobEnded as end:
         print(f"deadpool-inject: chaos stopped after {injected} faults: {end}",
@@ -122,7 +126,9 @@ def _replay(job: JobControl, args: argparse.Namespace, log: TextIO | None) -> in
             time.sleep(during)
         else:
             job.wait_for(int(record["iteration"]), args.wait_timeout)
-        job.wait_taken(_inject(job, record["spec"], t0, log, during), args.wait_timeout)
+        injected_at = _inject(job, record["spec"], t0, log, during)
+        if record["spec"].split()[0] in DECLARED:
+            job.wait_taken(injected_at, args.wait_timeout)
     return 0
 
 
@@ -190,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if modes != 1:
         p.error("give exactly one of: a fault spec, --chaos, --replay FILE")
     if args.chaos:
-        bad = set(args.actions.split(",")) - {*CHAOS_ALLOWED}
+        bad = set(args.actions.split(",")) - set(CHAOS_ALLOWED)
         if bad or args.mtbf <= 0 or args.duration <= 0 or not 0 <= args.in_recovery <= 1:
             p.error(f"--chaos needs --mtbf > 0, --duration > 0, --in-recovery in [0, 1] "
                     f"and --actions from {','.join(CHAOS_ALLOWED)} (got {args.actions!r})")

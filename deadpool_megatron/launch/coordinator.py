@@ -475,6 +475,14 @@ class Coordinator:
         return self.store.read(keys.flush_report(worker)) is not None \
             or self._exit_code(worker) is not None
 
+    def flushed_nothing(self, workers: list[str]) -> bool:
+        """Every one of `workers` reported a flush that wrote nothing: Megatron's own loop
+        writes none (its restart reads Megatron's --save checkpoints)."""
+        reports = self.store.read_many([keys.flush_report(w) for w in workers]) \
+            if workers else []
+        return bool(reports) and all(r is not None and not json.loads(r).get("written")
+                                     for r in reports)
+
     def flush_requested(self) -> int | None:
         """A host whose launcher was asked to stop (SIGTERM), if any: the hosts' requests
         are read when their counter moved (one read per scan, not one per host)."""

@@ -277,6 +277,12 @@ class Launcher:
             iteration = None  # nothing newer than an earlier flush is complete
         events.emit("flush_committed", iteration=iteration, seconds=round(seconds, 3),
                     missing=missing)
+        resume = "; relaunch with --load " + self.save_dir + " to resume there" \
+            if end.returncode == STOPPED else ""
+        if iteration is None and not missing and coordinator.flushed_nothing(expected):
+            log.warning("deadpool-launch: no worker holds snapshots to flush (Megatron's own "
+                        "loop: its --save checkpoints are the state to load)%s", resume)
+            return
         if iteration is None:
             log.error("deadpool-launch: the flush wrote no complete snapshot in %.1f s "
                       "(%s); the newest checkpoint under %s stays the one to load", seconds,
@@ -284,9 +290,7 @@ class Launcher:
                       self.save_dir)
             return
         log.warning("deadpool-launch: flushed the snapshot of iteration %d to %s in %.1f s%s",
-                    iteration, flush.iteration_dir(self.save_dir, iteration), seconds,
-                    "; relaunch with --load " + self.save_dir + " to resume there"
-                    if end.returncode == STOPPED else "")
+                    iteration, flush.iteration_dir(self.save_dir, iteration), seconds, resume)
 
     def _wait_for_byes(self) -> None:
         """Keep the store up until every other live host has read the end (bounded; a

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -64,10 +65,21 @@ class TrainingLoop(Protocol):
         """What a spare can do before it knows its rank (imports)."""
 
 
+def leave_sigterm_to_the_launcher() -> None:
+    """A scheduler that stops the job signals every process of it; the launcher has the
+    workers flush what they hold and then ends them, so a worker does not die of it (in
+    Megatron's loop too, which installs no handler of its own under hot-swap). Only the
+    main thread may install a handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: log.warning(
+            "SIGTERM: left to deadpool-launch, which flushes the newest snapshots and stops"))
+
+
 def run_worker(ctl: ControlClient, new_member: Callable[[int, int], Member],
                loop: TrainingLoop, thread_context: Callable[[], ContextManager]) -> int:
     """The worker's whole life under deadpool-launch; its exit code (0: training done, or a
     spare never needed)."""
+    leave_sigterm_to_the_launcher()
     try:
         if ctl.is_spare:
             loop.prepare_spare()

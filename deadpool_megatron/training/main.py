@@ -100,10 +100,6 @@ def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
     from deadpool_megatron.integration.data import build_train_dataset
     from deadpool_megatron.training.elastic import run_elastic
 
-    # A scheduler that stops the job signals every process of it; the launcher has the
-    # workers flush their snapshots first and then ends them, so a worker does not die here.
-    signal.signal(signal.SIGTERM, lambda *_: logging.getLogger("deadpool_megatron").warning(
-        "SIGTERM: left to deadpool-launch, which flushes the newest snapshots and stops"))
     progress = ProgressBoard.from_env(ft.deadpool_progress_timeout)
     if progress is not None:
         progress.start_monitor()
