@@ -477,9 +477,10 @@ class Coordinator:
 
     def flushed_nothing(self, workers: list[str]) -> bool:
         """Every one of `workers` reported a flush that wrote nothing: Megatron's own loop
-        writes none (its restart reads Megatron's --save checkpoints)."""
-        reports = self.store.read_many([keys.flush_report(w) for w in workers]) \
-            if workers else []
+        writes none (its restart reads Megatron's --save checkpoints). One read each, never
+        a multi_get: a worker that exited without a report has no key, and torch's
+        multi_get waits for every key it names."""
+        reports = [self.store.read(keys.flush_report(w)) for w in workers]
         return bool(reports) and all(r is not None and not json.loads(r).get("written")
                                      for r in reports)
 
