@@ -185,6 +185,29 @@ def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
 
 
 @pytest.mark.multiproc
+def test_a_sigterm_while_the_workers_build_ends_the_job_at_once(tmp_path: Path) -> None:
+    """SIGTERM to the launcher and its workers while they build their datasets, before any
+    snapshot: no worker dies of it (the handler is installed as soon as a worker joins),
+    every worker reports an empty flush at once, and the launcher says why nothing was
+    written. Before, the workers' flush failed on a snapshot pipeline not set up yet, each
+    took that for a peer's failure and tried again, and the launcher waited out the flush
+    timeout for reports that never came."""
+    save = tmp_path / "ckpt"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
+            "--save-interval", "100"]
+    run = run_launched(["--nproc-per-node", "8", "--logical-nodes", "2"], args, tmp_path,
+                       timeout_s=200, env=ENV, term_at="Unable to save MockGPTDataset")
+    out = run.logs[0]
+    assert run.returncodes == [143] and not run.timed_out, run.describe()
+    assert "SIGTERM: left to deadpool-launch" in out, run.describe()
+    assert "exited with -15" not in out and "Traceback" not in out, run.describe()
+    assert "no worker holds snapshots to flush (the job stopped before its first snapshot: " \
+           "relaunch it as it was)" in out, run.describe()
+    assert out.count("flushed {} (host 0's launcher was asked to stop") == 8, run.describe()
+    assert not ITERATION.search(out), run.describe()
+
+
+@pytest.mark.multiproc
 @pytest.mark.fault_matrix
 def test_sigterm_while_a_training_thread_is_blocked_still_flushes_every_shard(
         tmp_path: Path, failure_free_8: JobResult) -> None:
@@ -213,3 +236,39 @@ def test_sigterm_while_a_training_thread_is_blocked_still_flushes_every_shard(
     assert [int(i) for i in LOADED.findall(second.logs[0])] == [3]
     assert min(int(i) for i in ITERATION.findall(second.logs[0])) == 4
     assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+
+
+def test_a_flush_that_wrote_nothing_says_why(tmp_path: Path) -> None:
+    """The launcher names why no snapshot was flushed: Megatron's own loop writes none by
+    design; our loop before its first snapshot has none yet; no worker was alive. Nothing
+    is said while one report is missing or one worker wrote something (the commit speaks
+    then)."""
+    import torch.distributed as dist
+
+    from deadpool_megatron.control import keys
+    from deadpool_megatron.control.auth import SignedStore
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.coordinator import Coordinator
+    from deadpool_megatron.metrics.events import EventLog
+
+    token = "k" * 32
+    store = dist.HashStore()
+    signed = SignedStore(store, token, keys.epoch_prefix(0))
+    coordinator = Coordinator(LaunchConfig(nproc_per_node=2), signed, ranks_per_node=2,
+                              allow_same_node=False,
+                              events=EventLog(str(tmp_path / "events"), rank=-1))
+
+    def report(worker: str, written: dict, loop_flushes: bool) -> None:
+        signed.set(keys.flush_report(worker), json.dumps(
+            {"rank": int(worker[1:]), "written": written, "loop_flushes": loop_flushes}))
+
+    report("w0", {}, True)
+    assert coordinator.why_nothing_flushed(["w0", "w1"]) is None  # w1 has not reported
+    report("w1", {}, True)
+    assert "before its first snapshot" in coordinator.why_nothing_flushed(["w0", "w1"])
+    report("w1", {"1": 4}, True)
+    assert coordinator.why_nothing_flushed(["w0", "w1"]) is None
+    report("w0", {}, False)
+    report("w1", {}, False)
+    assert "Megatron's own loop" in coordinator.why_nothing_flushed(["w0", "w1"])
+    assert "no live worker" in coordinator.why_nothing_flushed([])

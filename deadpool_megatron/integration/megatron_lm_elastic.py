@@ -56,7 +56,10 @@ def maybe_hot_swap(pretrain: Callable, args: argparse.Namespace) -> "HotSwapPret
         return None
     from deadpool_megatron.control.client import ControlClient
 
+    from deadpool_megatron.training.driver import leave_sigterm_to_the_launcher
+
     ctl = ControlClient.from_env()  # joins the control plane now, before any group
+    leave_sigterm_to_the_launcher()
     try:
         check_hot_swap(args)
     except HotSwapUnsupported as refused:

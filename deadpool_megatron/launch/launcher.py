@@ -279,9 +279,11 @@ class Launcher:
                     missing=missing)
         resume = "; relaunch with --load " + self.save_dir + " to resume there" \
             if end.returncode == STOPPED else ""
-        if iteration is None and not missing and coordinator.flushed_nothing(expected):
-            log.warning("deadpool-launch: no worker holds snapshots to flush (Megatron's own "
-                        "loop: its --save checkpoints are the state to load)%s", resume)
+        nothing = None if iteration is not None or missing \
+            else coordinator.why_nothing_flushed(expected)
+        if nothing is not None:
+            log.warning("deadpool-launch: no worker holds snapshots to flush (%s)%s", nothing,
+                        resume if "relaunch" not in nothing else "")
             return
         if iteration is None:
             log.error("deadpool-launch: the flush wrote no complete snapshot in %.1f s "

@@ -743,7 +743,8 @@ def flush_if_asked(member: Member, generation: int) -> None:
         written = {}
         log.warning("rank %d: hot-swap impossible (%s); writing nothing: the restart reads "
                     "the loop's own --save checkpoints", member.rank, request["reason"])
-    member.ctl.report_flushed({"rank": member.rank, "written": written})
+    member.ctl.report_flushed({"rank": member.rank, "written": written,
+                               "loop_flushes": member.loop.flushes_snapshots})
     member.events.emit("flushed", generation=generation, reason=request["reason"],
                        written=written)
     raise JobFlushed(f"rank {member.rank}: flushed {written} ({request['reason']})")

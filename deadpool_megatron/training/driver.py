@@ -65,21 +65,28 @@ class TrainingLoop(Protocol):
         """What a spare can do before it knows its rank (imports)."""
 
 
-def leave_sigterm_to_the_launcher() -> None:
+def leave_sigterm_to_the_launcher() -> bool:
     """A scheduler that stops the job signals every process of it; the launcher has the
     workers flush what they hold and then ends them, so a worker does not die of it (in
-    Megatron's loop too, which installs no handler of its own under hot-swap). Only the
-    main thread may install a handler."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: log.warning(
-            "SIGTERM: left to deadpool-launch, which flushes the newest snapshots and stops"))
+    Megatron's loop too, which installs no handler of its own under hot-swap). Called by
+    each entry point as soon as it has joined the control plane, before the long build
+    (datasets, model), where a SIGTERM would otherwise kill the worker. Only the main
+    thread may install a handler: from another thread it says so and leaves torch's.
+    Whether it was installed."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("SIGTERM not left to deadpool-launch: the worker was started off the main "
+                    "thread (%s), so a scheduler's SIGTERM ends it at once",
+                    threading.current_thread().name)
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: log.warning(
+        "SIGTERM: left to deadpool-launch, which flushes the newest snapshots and stops"))
+    return True
 
 
 def run_worker(ctl: ControlClient, new_member: Callable[[int, int], Member],
                loop: TrainingLoop, thread_context: Callable[[], ContextManager]) -> int:
     """The worker's whole life under deadpool-launch; its exit code (0: training done, or a
     spare never needed)."""
-    leave_sigterm_to_the_launcher()
     try:
         if ctl.is_spare:
             loop.prepare_spare()
@@ -103,6 +110,7 @@ class _Driver:
         member, ctl = self.member, self.member.ctl
         t0 = time.perf_counter()
         work: Work = {}
+        broken: BaseException | None = None
         try:
             if ctl.is_spare:
                 self._build_alone(t0)
@@ -126,7 +134,9 @@ class _Driver:
         except Exception as err:  # noqa: BLE001 - a failure while joining or building
             if not caused_by_a_peer(err):
                 return fail_this_rank(member, err, traceback.format_exc())
-            work = self._recover(without_frames(err))
+            broken = without_frames(err)
+        if broken is not None:  # outside the except block: see the loop's below
+            work = self._recover(broken)
 
         while True:
             declared = threading.Event()

@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Under deadpool-launch: join the control plane before the long imports.
     ctl = ControlClient.from_env() if ft.deadpool else None
+    if ctl is not None:
+        from deadpool_megatron.training.driver import leave_sigterm_to_the_launcher
+
+        leave_sigterm_to_the_launcher()
     if ctl is not None and cfg.distributed_backend == "nccl":
         from deadpool_megatron.reconstruct.abort import configure_nccl_error_handling
 
