@@ -105,6 +105,13 @@ def run(args_defaults: dict[str, Any] | None = None) -> None:
         config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
         pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step,
                  store=store)
+        # Megatron's pretrain() leaves its process groups to the interpreter's exit, where
+        # gloo's worker threads can outlive it: "terminate called without an active
+        # exception" (SIGABRT) after a successful run. Under hot-swap the driver has
+        # already destroyed them.
+        from deadpool_megatron.integration.distributed import destroy_process_groups
+
+        destroy_process_groups()
 
 
 def print_help(prog: str) -> None:
