@@ -528,13 +528,16 @@ def test_two_gpus_hardware_errors_alike_in_one_save_are_each_hot_swapped(
 
 
 @pytest.mark.fault_matrix
-def test_a_schedulers_sigterm_in_megatrons_loop_ends_the_job_cleanly_and_it_resumes(
+def test_a_schedulers_sigterm_in_megatrons_loop_flushes_and_a_relaunch_resumes_there(
         plain, tmp_path: Path) -> None:
     """SIGTERM to the launcher and every worker (a scheduler's time limit) after iteration
     3 of Megatron's loop: no worker dies of the signal (under hot-swap Megatron installs no
-    handler of its own: the driver leaves it to the launcher), the launcher stops the job
-    with 143 and says how to resume, and a relaunch with --load resumes from Megatron's
-    save after iteration 2 and ends with the failure-free fingerprint."""
+    handler of its own: the driver leaves it to the launcher), every worker writes its
+    newest snapshot to --save, the launcher stops the job with 143 and says how to resume.
+    The relaunch with --load reads Megatron's save after iteration 2 and then the newer
+    flushed snapshot over it (before, Megatron's loop flushed nothing and the relaunch redid
+    every iteration since Megatron's last save), repositions its data iterators, and ends
+    with the failure-free fingerprint and validation losses."""
     save = tmp_path / "ckpt"
     args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "2"]
     launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
@@ -543,12 +546,21 @@ def test_a_schedulers_sigterm_in_megatrons_loop_ends_the_job_cleanly_and_it_resu
     assert first.returncodes == [143] and not first.timed_out, first.describe()
     assert "SIGTERM: left to deadpool-launch" in first.output, first.describe()
     assert "exited with -15" not in first.output, first.describe()
+    flushed = [int(i) for i in re.findall(r"flushed the snapshot of iteration (\d+) to",
+                                          first.output)]
+    assert len(flushed) == 1 and flushed[0] >= 3, first.describe()
     assert f"relaunch with --load {save}" in first.output, first.describe()
     second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
                           timeout_s=400, env=ENV, script=MEGATRON_GPT)
     assert second.ok and second.fingerprint == plain.fingerprint, second.describe()
     assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
                      second.output), second.describe()
+    assert f"loaded the snapshot of iteration {flushed[0]} flushed to" in second.output, \
+        second.describe()
+    done = [int(i) for i in re.findall(r"iteration +(\d+)/ +4 \|", second.output)]
+    assert done and min(done) == flushed[0] + 1, second.describe()
+    assert _validation(second.output) == [v for v in _validation(plain.output)
+                                          if int(v[0]) > flushed[0]], second.describe()
 
 
 @pytest.mark.fault_matrix

@@ -45,6 +45,37 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def newer_flush(root: str | None, checkpoint: int | None) -> int | None:
+    """The iteration of the snapshot a flush committed under `root` (snapshot/flush.py)
+    if it is newer than the checkpoint of iteration `checkpoint` (None: no checkpoint);
+    otherwise None: the checkpoint is the state to load."""
+    from deadpool_megatron.snapshot import flush
+
+    flushed = flush.latest(root) if root else None
+    if flushed is not None and (checkpoint is None or flushed > checkpoint):
+        return flushed
+    return None
+
+
+def load_flushed(state: LoopState, root: str, iteration: int,
+                 distributed_optimizer: bool) -> None:
+    """This rank's shard of the snapshot a flush wrote into `state` (its objects, iteration
+    and data positions): in our loop and in Megatron's alike, over whatever the loop built
+    or loaded before."""
+    from deadpool_megatron.snapshot import flush
+    from deadpool_megatron.snapshot.restore import restore_shard
+
+    rank = torch.distributed.get_rank()
+    slot = flush.read_shard(root, iteration, rank)
+    objects = restore_shard(state.objects, slot, distributed_optimizer)
+    state.iteration = int(objects["iteration"])
+    state.consumed_samples = int(objects["consumed_samples"])
+    state.valid_consumed = int(objects.get("valid_consumed", 0))
+    if rank == 0:
+        log.info("loaded the snapshot of iteration %d flushed to %s", state.iteration,
+                 flush.iteration_dir(root, iteration))
+
+
 def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -> None:
     """Set every Adam state entry's `step` to the checkpoint's step, each its own tensor.
 
@@ -225,14 +256,12 @@ class Checkpointer:
     def _load(self, state: LoopState) -> bool:
         from megatron.core import dist_checkpointing
 
-        from deadpool_megatron.snapshot import flush
-
         root = self.cfg.load
         assert root is not None
         iteration = latest_iteration(root)
-        flushed = flush.latest(root)
-        if flushed is not None and (iteration is None or flushed > iteration):
-            self._load_flushed(state, root, flushed)
+        flushed = newer_flush(root, iteration)
+        if flushed is not None:
+            load_flushed(state, root, flushed, self.cfg.use_distributed_optimizer)
             return True
         if iteration is None:
             if torch.distributed.get_rank() == 0:
@@ -254,20 +283,6 @@ class Checkpointer:
         if torch.distributed.get_rank() == 0:
             log.info("loaded checkpoint of iteration %d from %s", state.iteration, path)
         return True
-
-    def _load_flushed(self, state: LoopState, root: str, iteration: int) -> None:
-        """The snapshot a flush wrote (snapshot/flush.py): newer than any checkpoint."""
-        from deadpool_megatron.snapshot import flush
-        from deadpool_megatron.snapshot.restore import restore_shard
-
-        rank = torch.distributed.get_rank()
-        slot = flush.read_shard(root, iteration, rank)
-        objects = restore_shard(state.objects, slot, self.cfg.use_distributed_optimizer)
-        state.iteration = int(objects["iteration"])
-        state.consumed_samples = int(objects["consumed_samples"])
-        if rank == 0:
-            log.info("loaded the snapshot of iteration %d flushed to %s", state.iteration,
-                     flush.iteration_dir(root, iteration))
 
     def after_iteration(self, state: LoopState) -> bool:
         """Save when due; True when --exit-interval says to stop now."""

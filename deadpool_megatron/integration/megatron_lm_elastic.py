@@ -222,13 +222,10 @@ class HotSwapPretrain:
             else None
 
         def new_member(rank: int, generation: int) -> Any:
-            # Megatron's --load reads only Megatron's checkpoints: a flush writes nothing,
-            # and the job restarts from its --save.
             return new_worker_member(cfg, ft, self.ctl, rank, generation, world, progress,
                                      device, LoopTraits(make_groups=loop.make_groups,
                                                         groups_patched=loop.groups_patched,
-                                                        microbatches_of=schedule,
-                                                        flushes_snapshots=False))
+                                                        microbatches_of=schedule))
 
         rc = run_worker(self.ctl, new_member, loop,
                         inherited_thread_context(cfg.distributed_backend))
@@ -401,21 +398,23 @@ class MegatronSession(NotWalked):
                           consumed_samples=int(margs.consumed_train_samples),
                           objects=megatron_objects(call.arguments),
                           valid_consumed=int(getattr(margs, "consumed_valid_samples", 0)))
+        # Iterators where pretrain() built them, not at the state's position: a spare's
+        # (at sample 0, no checkpoint read), and every rank's past a flushed snapshot.
+        iterators_behind = self.thread.spare or self._load_flushed(margs, state)
         self.startup.close()
         work = self.thread.built(state)
-        built_alone = self.thread.spare  # a spare's iterators: where pretrain() built them
 
         def train_once(work: dict) -> Any:
-            nonlocal built_alone
+            nonlocal iterators_behind
             self.work = work
             state = self.member.state
             margs.iteration = margs.curr_iteration = state.iteration
             margs.consumed_train_samples = state.consumed_samples
             position = _position_after_restore(work.get(state.iteration + 1),
                                                state.consumed_samples)
-            if position is None and built_alone:  # at sample 0 (no checkpoint read)
+            if position is None and iterators_behind:
                 position = state.consumed_samples
-            built_alone = False
+            iterators_behind = False
             if position is not None:
                 call.arguments["train_data_iterator"] = data_iterator_at(
                     call.arguments["train_data_iterator"], position)
@@ -424,6 +423,20 @@ class MegatronSession(NotWalked):
             return enter_train(train, call)
 
         return self.thread.generations(train_once, work)
+
+    @staticmethod
+    def _load_flushed(margs: argparse.Namespace, state: LoopState) -> bool:
+        """After pretrain() loaded Megatron's newest checkpoint under --load (or none), the
+        snapshot a flush wrote there if it is newer (a scheduler's stop, or a hot-swap
+        that was impossible, flushed it); whether one was loaded."""
+        from deadpool_megatron.integration.checkpoint import load_flushed, newer_flush
+
+        checkpoint = int(margs.iteration) if margs.iteration else None
+        flushed = newer_flush(margs.load, checkpoint)
+        if flushed is None:
+            return False
+        load_flushed(state, margs.load, flushed, bool(margs.use_distributed_optimizer))
+        return True
 
     def hooks(self) -> list[TrainingHooks]:
         """This generation's hooks (training/driver.generation_hooks), and in generation 0

@@ -477,20 +477,14 @@ class Coordinator:
 
     def why_nothing_flushed(self, workers: list[str]) -> str | None:
         """Why no snapshot was flushed, or None if one of `workers` wrote something or did
-        not report. No live worker; Megatron's own loop, which writes none by design (its
-        restart reads Megatron's --save checkpoints); or our loop before its first snapshot.
-        One read each, never a multi_get: a worker that exited without a report has no key,
-        and torch's multi_get waits for every key it names."""
+        not report: no live worker, or the job stopped before its first snapshot. One read
+        each, never a multi_get: a worker that exited without a report has no key, and
+        torch's multi_get waits for every key it names."""
         if not workers:
             return "no live worker was left to write any"
         reports = [self.store.read(keys.flush_report(w)) for w in workers]
-        if any(r is None for r in reports):
+        if any(r is None or json.loads(r).get("written") for r in reports):
             return None
-        decoded = [json.loads(r) for r in reports]
-        if any(r.get("written") for r in decoded):
-            return None
-        if not any(r.get("loop_flushes", True) for r in decoded):
-            return "Megatron's own loop writes none: its --save checkpoints are the state to load"
         return "the job stopped before its first snapshot: relaunch it as it was"
 
     def flush_requested(self) -> int | None:

@@ -99,9 +99,6 @@ class LoopTraits:
     # Micro-batches per replica in an iteration, where a batch-size schedule varies them
     # (Megatron's --rampup-batch-size); None: cfg's, the same in every iteration.
     microbatches_of: Callable[[int], int] | None = None
-    # A flush writes this rank's snapshots to --save; off where the restart reads only the
-    # loop's own checkpoints (Megatron-LM's --load).
-    flushes_snapshots: bool = True
 
 
 @dataclass
@@ -737,14 +734,8 @@ def flush_if_asked(member: Member, generation: int) -> None:
     request = member.ctl.flush_of(generation)
     if request is None:
         return
-    if member.loop.flushes_snapshots:
-        written = flush_held(member, set(request["lost"]))
-    else:
-        written = {}
-        log.warning("rank %d: hot-swap impossible (%s); writing nothing: the restart reads "
-                    "the loop's own --save checkpoints", member.rank, request["reason"])
-    member.ctl.report_flushed({"rank": member.rank, "written": written,
-                               "loop_flushes": member.loop.flushes_snapshots})
+    written = flush_held(member, set(request["lost"]))
+    member.ctl.report_flushed({"rank": member.rank, "written": written})
     member.events.emit("flushed", generation=generation, reason=request["reason"],
                        written=written)
     raise JobFlushed(f"rank {member.rank}: flushed {written} ({request['reason']})")
