@@ -43,6 +43,22 @@ def test_only_a_complete_iteration_is_committed_and_read_back_whole(tmp_path: Pa
     assert back.verify() and torch.equal(back.flat, _slot(4, 2).flat)
 
 
+def test_a_buddys_stand_in_copy_counts_where_the_ranks_own_file_is_missing(
+        tmp_path: Path) -> None:
+    """A stand-in copy (a buddy's, written when the flush came during a recovery) completes
+    an iteration whose rank wrote nothing, and is read back; where the rank wrote its own
+    too, its own is read."""
+    save = str(tmp_path)
+    flush.write_shard(save, 0, _slot(4, 0))
+    flush.write_shard(save, 1, _slot(4, 7), copy=True)
+    assert flush.complete_iterations(save, world=2) == [4]
+    assert int(flush.read_shard(save, 4, 1).flat[0]) == 7
+    flush.write_shard(save, 1, _slot(4, 1))
+    assert int(flush.read_shard(save, 4, 1).flat[0]) == 1
+    flush.write_shard(save, 0, _slot(5, 0), copy=True)  # a copy alone is not rank 1's
+    assert flush.complete_iterations(save, world=2) == [4]
+
+
 def test_a_damaged_flushed_shard_is_refused(tmp_path: Path) -> None:
     save = str(tmp_path)
     flush.write_shard(save, 0, _slot(4, 1))
@@ -205,6 +221,37 @@ def test_a_sigterm_while_the_workers_build_ends_the_job_at_once(tmp_path: Path) 
            "relaunch it as it was)" in out, run.describe()
     assert out.count("flushed {} (host 0's launcher was asked to stop") == 8, run.describe()
     assert not ITERATION.search(out), run.describe()
+
+
+@pytest.mark.multiproc
+@pytest.mark.fault_matrix
+def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 1 is killed in iteration 3 and the scheduler's SIGTERM comes as the spare is
+    declared in its place, before it has restored anything: the spare holds no snapshot of
+    rank 1, so rank 1's buddy (rank 5) writes its copy as a stand-in, the flush is complete
+    and the relaunch resumes from it bit-exact. Before, the buddy wrote only a lost rank's
+    copy, rank 1 was not lost (its spare was alive), and the flush had no complete
+    iteration: everything since the last checkpoint (here: the whole run) was lost."""
+    save = tmp_path / "ckpt"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
+            "--save-interval", "100"]
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
+    first = run_launched(launch, [*args, "--deadpool-inject", "kill rank=1 iter=3 phase=backward"],
+                         tmp_path / "first", timeout_s=400, env=ENV,
+                         term_at="ranks [1] failed; spares")
+    out = first.logs[0]
+    assert first.returncodes == [143] and not first.timed_out, first.describe()
+    flushed = [int(i) for i in FLUSHED.findall(out)]
+    assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
+    assert "'1 (copy)': [" in out, first.describe()
+    assert (Path(flush.iteration_dir(str(save), flushed[0])) / "rank_00001.copy.json").exists()
+    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
+                          timeout_s=400, env=ENV)
+    assert second.ok, second.describe()
+    assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
+    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed[0] + 1
+    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
 
 
 @pytest.mark.multiproc

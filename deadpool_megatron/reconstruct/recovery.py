@@ -459,7 +459,7 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     if not joined:
         member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
-    member.engine.connect()
+    member.engine.connect(generation)
     laps("snapshot_group")
     member.ctl.prepare_connection()  # the next generation's, in the background
     return True
@@ -734,16 +734,19 @@ def flush_if_asked(member: Member, generation: int) -> None:
     request = member.ctl.flush_of(generation)
     if request is None:
         return
-    written = flush_held(member, set(request["lost"]))
+    written = flush_held(member, set(request["lost"]), generation)
     member.ctl.report_flushed({"rank": member.rank, "written": written})
     member.events.emit("flushed", generation=generation, reason=request["reason"],
                        written=written)
     raise JobFlushed(f"rank {member.rank}: flushed {written} ({request['reason']})")
 
 
-def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
+def flush_held(member: Member, lost: set[int], flush: int | None = None) -> dict[str, list[int]]:
     """Write to --save every complete snapshot of this rank's shard it holds, and of its
-    ward's shard if the ward is lost (snapshot/flush.py); {rank: [iterations]}."""
+    ward's shard if the ward is lost (snapshot/flush.py); {rank: [iterations]}. With the
+    flush's generation `flush`, also a stand-in copy of the ward's if the ward was replaced
+    since this rank last received a snapshot from it: a flush during a recovery finds the
+    spare holding nothing yet, and without the copy no iteration would be complete."""
     from deadpool_megatron.snapshot.flush import write_shard
 
     save, engine = member.cfg.save, member.engine
@@ -752,13 +755,24 @@ def flush_held(member: Member, lost: set[int]) -> dict[str, list[int]]:
         return written
     rpn = member.ft.ranks_per_node(member.world)
     ward = ward_of(member.rank, member.world, rpn, member.ft.deadpool_allow_same_node_buddy)
-    for rank, slot in engine.flushable(ward if ward in lost else None):
+    stand_in = ward not in lost and flush is not None and ward != member.rank and \
+        _replaced_since(member, ward, engine.ward_heard_in, flush)
+    for rank, slot in engine.flushable(ward if ward in lost or stand_in else None):
         # A partial copy goes without its replicated region, which its data-parallel
         # source (alive, or the plan had refused) writes in its own shard.
-        write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None)
-        written.setdefault(str(rank), []).append(slot.iteration)
+        write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None,
+                    copy=stand_in and rank == ward)
+        key = str(rank) if not (stand_in and rank == ward) else f"{rank} (copy)"
+        written.setdefault(key, []).append(slot.iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written
+
+
+def _replaced_since(member: Member, rank: int, heard_in: int | None, flush: int) -> bool:
+    """Whether `rank` got a new worker in a generation after `heard_in` (the newest in
+    which its buddy received a snapshot from it) and before the flush's."""
+    first = 1 if heard_in is None else heard_in + 1
+    return any(rank in member.ctl.replaced(g) for g in range(first, flush))
 
 
 def flush_alone(member: Member, training: StoppableThread | None) -> None:

@@ -182,6 +182,11 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         # tensor copy had not finished.
         self.captured: dict[int, bytes] = {}
         self.timeout = timedelta(seconds=ft.deadpool_snapshot_timeout)
+        # The generation of the current connection (`connect`), and the newest one in which
+        # a snapshot from the ward was committed here: a flush then knows whether the
+        # ward's current worker holds snapshots of its own (reconstruct/recovery.py).
+        self.generation = 0
+        self.ward_heard_in: int | None = None
 
     @property
     def chunk_bytes(self) -> int:
@@ -191,8 +196,8 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         return self.committed_iteration
 
     # -- membership ------------------------------------------------------------------------
-    def connect(self) -> None:
-        """Join the current generation: its buddy ring, and a gloo group with the buddy and
+    def connect(self, generation: int = 0) -> None:
+        """Join the current generation (`generation`): its buddy ring, and a gloo group with the buddy and
         one with the ward, of this rank's snapshots only (snapshot traffic never queues
         behind, or blocks, training's). No world-sized group: a world-sized gloo group is a
         full mesh, N^2 connections at every start and recovery; these are two per rank.
@@ -201,6 +206,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         ring: every group forms within three rounds, and no cycle of ranks waits on each
         other): two group creations per rank, whatever the world's size."""
         self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.generation = generation
         rpn = self.ft.ranks_per_node(world)
         allow = self.ft.deadpool_allow_same_node_buddy
         self.buddy = buddy_of(self.rank, world, rpn, allow)
@@ -554,6 +560,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         # the buddy says its copy verified. No rank waits on any other pair.
         if received:
             self.ward_buffer.commit(job.iteration)
+            self.ward_heard_in = self.generation
         if acked:
             self.own.commit(job.iteration)
             self.committed_iteration = job.iteration

@@ -3,6 +3,9 @@ job is stopped, so that nothing they cover is recomputed after a restart.
 
 Each rank's shard goes to `SAVE/deadpool_flush/iter_NNNNNNN/rank_RRRRR.{bin,json}`, written
 by the rank itself or, for a rank that is gone, by its buddy from the ward copy it holds.
+A buddy whose ward was replaced since it last received a snapshot from it (the flush came
+during a recovery: the spare may hold nothing yet) also writes its copy, as
+`rank_RRRRR.copy.{bin,json}`, which stands in where the rank's own file is missing.
 Each file is written under a temporary name and renamed, so a file that exists is whole.
 Host 0 then commits the newest iteration for which every rank's file exists and verifies,
 by writing `deadpool_flush/latest.txt` (again: write, then rename). Until then the job's
@@ -39,9 +42,17 @@ def iteration_dir(save: str, iteration: int) -> str:
     return os.path.join(save, ROOT, f"iter_{iteration:07d}")
 
 
-def _paths(save: str, iteration: int, rank: int) -> tuple[str, str]:
-    base = os.path.join(iteration_dir(save, iteration), f"rank_{rank:05d}")
+def _paths(save: str, iteration: int, rank: int, copy: bool = False) -> tuple[str, str]:
+    base = os.path.join(iteration_dir(save, iteration),
+                        f"rank_{rank:05d}{'.copy' if copy else ''}")
     return base + ".bin", base + ".json"
+
+
+def _found(save: str, iteration: int, rank: int) -> tuple[str, str]:
+    """The rank's own files, or its buddy's copy where its own metadata is missing."""
+    own = _paths(save, iteration, rank)
+    copy = _paths(save, iteration, rank, copy=True)
+    return own if os.path.exists(own[1]) or not os.path.exists(copy[1]) else copy
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -53,14 +64,15 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(save: str, rank: int, slot: Slot, source: int | None = None) -> str:
+def write_shard(save: str, rank: int, slot: Slot, source: int | None = None,
+                copy: bool = False) -> str:
     """Write one rank's shard (a verified snapshot slot); the metadata file, written last,
-    says it is whole. A buddy's partial copy (its replicated region lives on the
+    says it is whole. `copy`: a buddy's stand-in copy of a rank that may write its own. A buddy's partial copy (its replicated region lives on the
     data-parallel peer `source`, snapshot/manifest.py) is written without that region, with
     its chunk table: `read_shard` takes the region from the source's own flushed shard of
     the same iteration, which the source writes itself."""
     os.makedirs(iteration_dir(save, slot.iteration), exist_ok=True)
-    data, meta = _paths(save, slot.iteration, rank)
+    data, meta = _paths(save, slot.iteration, rank, copy)
     info = {"rank": rank, "iteration": slot.iteration, "flat_bytes": slot.flat.numel(),
             "objects_bytes": len(slot.objects)}
     if slot.partial:
@@ -83,7 +95,7 @@ def read_shard(save: str, iteration: int, rank: int, resolve: bool = True) -> Sl
     """One rank's flushed shard as a snapshot slot (its checksum is checked by the restore;
     a partial one's replicated region, taken from its source's shard, chunk by chunk
     here)."""
-    data, meta = _paths(save, iteration, rank)
+    data, meta = _found(save, iteration, rank)
     try:
         info = json.loads(open(meta, "rb").read())
         blob = open(data, "rb").read()
@@ -152,7 +164,7 @@ def _complete(save: str, iteration: int, world: int) -> bool:
     metas = []
     for rank in range(world):
         try:
-            metas.append(json.loads(open(_paths(save, iteration, rank)[1], "rb").read()))
+            metas.append(json.loads(open(_found(save, iteration, rank)[1], "rb").read()))
         except (OSError, ValueError):
             return False
     whole = {r for r, info in enumerate(metas) if not info.get("partial")}

@@ -112,11 +112,9 @@ class RecoveryMoves:
 
     def flushable(self, ward: int | None) -> list[tuple[int, Slot]]:
         """(rank, slot) of every snapshot held complete of this rank, and of `ward` too
-        when given (the ward is lost and this rank holds its only copy). None before the
-        first generation's pipeline was set up (a job stopped while starting)."""
-        if self.own is None:
-            return []
-        holdings = [(self.rank, self.own)]
+        when given (the ward is lost and this rank holds its only copy). Nothing of this
+        rank's own where its objects were never attached (a job stopped while starting)."""
+        holdings = [(self.rank, self.own)] if self.own is not None else []
         if ward is not None:
             holdings.append((ward, self.ward_buffer))
         return [(rank, buffer.find(iteration)) for rank, buffer in holdings
