@@ -252,6 +252,14 @@ def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
     assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
     assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed[0] + 1
     assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+    # The same flush loaded by another model: refused, saying what to change.
+    other = [a if a != "64" else "32" for a in args]  # --hidden-size
+    third = run_launched(launch, [*other, "--load", str(save)], tmp_path / "third",
+                         timeout_s=200, env=ENV)
+    assert third.returncodes != [0] and not third.timed_out, third.describe()
+    assert "was taken from a different model or optimizer layout" in third.logs[0]
+    assert "relaunch with the parallel layout and model it was flushed with, or delete " \
+           f"{save}/deadpool_flush/latest.txt" in third.logs[0], third.describe()
 
 
 @pytest.mark.multiproc

@@ -14,9 +14,12 @@ and rebind their groups, and train() is entered again at the restored iteration
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -200,16 +203,16 @@ def test_megatrons_train_entered_again_after_a_restore_from_the_buddy_is_bit_ide
 
 
 def _kill_rank_when(log: Path, text: str, worker: str, stop: threading.Event,
-                    killed: list[int]) -> None:
-    """SIGKILL the launcher's `worker` (its process name: launch/preload.py) once `text`
-    appears in `log`."""
-    while not stop.wait(0.1):
+                    killed: list[int], sig: int = signal.SIGKILL) -> None:
+    """SIGKILL (or `sig`) the launcher's `worker` (its process name: launch/preload.py)
+    once `text` appears in `log`."""
+    while not stop.wait(0.05):
         if not log.exists() or text not in log.read_text(errors="replace"):
             continue
         for proc in psutil.process_iter(["name"]):
             if proc.info["name"] == worker:
                 try:
-                    proc.kill()
+                    proc.send_signal(sig)
                     killed.append(proc.pid)
                 except psutil.NoSuchProcess:
                     continue
@@ -290,6 +293,37 @@ def _spares_took(events: list[dict]) -> list[tuple[int, list[int], str]]:
 
 
 @pytest.mark.fault_matrix
+def test_a_kill_while_megatron_builds_has_every_rank_build_again(
+        plain, tmp_path: Path) -> None:
+    """Rank 4 is killed as its model is built, before the job's first snapshot: there is
+    nothing to restore, so a spare takes rank 4 and every rank builds its objects again
+    (pretrain() entered again over Megatron's globals set afresh), and the run ends with
+    the failure-free fingerprint. Before, that second build imported a function Megatron
+    0.19 does not have, every rank failed alike and the job ended with that ImportError
+    (found by chaos soak seed 191, a fault during the restarted job's build)."""
+    events = tmp_path / "events"
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
+        tmp_path / "launch" / "workers" / "epoch0" / "w4.log",
+        "number of parameters on", "w4", stop, killed))
+    killer.start()
+    try:
+        job = run_launched(["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
+                           [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events",
+                            str(events)], tmp_path / "launch", timeout_s=400, env=ENV,
+                           script=MEGATRON_GPT)
+    finally:
+        stop.set()
+        killer.join(5)
+    assert killed and job.ok, job.describe()
+    assert job.fingerprint == plain.fingerprint, job.describe()
+    assert "ImportError" not in job.output and "restarting" not in job.output, job.describe()
+    declared = [e["failed_ranks"] for e in load_events(events)
+                if e["event"] == "generation_declared"]
+    assert declared == [[4]], job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """Four kills in Megatron's own loop, one an iteration: in the first iteration's
@@ -357,6 +391,35 @@ def test_a_slow_save_in_megatrons_loop_is_no_hang(plain, tmp_path: Path) -> None
     assert "test fault: sleep in save" in job.output
     assert not [e for e in events if e["event"] in ("failure_detected", "hang_localized")]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+@pytest.mark.fault_matrix
+def test_a_spare_frozen_while_it_builds_is_found_and_replaced(plain, tmp_path: Path) -> None:
+    """Rank 1 is killed in iteration 2; the spare taking it is stopped (SIGSTOP: frozen, as
+    by a cgroup freeze) as its assignment is declared, while it builds alone. Its host sees
+    it from its assignment on: it is found frozen and replaced by the second spare, no
+    survivor waiting for it is taken for hung, and the run ends bit-exact. Before, a spare
+    had no view until its first stamp after the build: the survivors waiting for it were
+    guessed hung one after another, each taking a spare (chaos soak seed 192)."""
+    stop, stopped = threading.Event(), []
+    freezer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
+        tmp_path / "launch" / "launcher.log", "spares {1: 's0.0'}", "s0.0", stop, stopped,
+        signal.SIGSTOP))
+    freezer.start()
+    try:
+        job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=1 iter=2 phase=backward"],
+                                spares=2, extra=["--deadpool-progress-timeout", "3"])
+    finally:
+        stop.set()
+        freezer.join(5)
+        for pid in stopped:  # not left stopped if the job did not end it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert stopped and job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    verdicts = [(e["culprits"], e["certain"]) for e in events if e["event"] == "hang_localized"]
+    assert verdicts == [(["s0.0"], True)], job.describe()
+    assert [r for e in events if e["event"] == "generation_declared"
+            for r in e["failed_ranks"]] == [1, 1], job.describe()
 
 
 @pytest.mark.fault_matrix

@@ -63,11 +63,17 @@ def load_flushed(state: LoopState, root: str, iteration: int,
     and data positions): in our loop and in Megatron's alike, over whatever the loop built
     or loaded before."""
     from deadpool_megatron.snapshot import flush
-    from deadpool_megatron.snapshot.restore import restore_shard
+    from deadpool_megatron.snapshot.restore import SnapshotMismatch, restore_shard
 
     rank = torch.distributed.get_rank()
     slot = flush.read_shard(root, iteration, rank)
-    objects = restore_shard(state.objects, slot, distributed_optimizer)
+    try:
+        objects = restore_shard(state.objects, slot, distributed_optimizer)
+    except SnapshotMismatch as err:
+        raise flush.FlushError(
+            f"rank {rank}: {err}; relaunch with the parallel layout and model it was flushed "
+            f"with, or delete {os.path.join(root, flush.ROOT, flush.LATEST)} to load the "
+            f"newest Megatron checkpoint instead") from None
     state.iteration = int(objects["iteration"])
     state.consumed_samples = int(objects["consumed_samples"])
     state.valid_consumed = int(objects.get("valid_consumed", 0))

@@ -361,12 +361,13 @@ class MegatronLmLoop:
             destroy_num_microbatches_calculator,
         )
         from megatron.core.rerun_state_machine import destroy_rerun_state_machine
-        from megatron.core.utils import destroy_global_memory_buffer
         from megatron.training.global_vars import destroy_global_vars, set_global_variables
 
+        # Not the global memory buffer: it belongs to parallel_state, made and destroyed
+        # with this generation's groups (and was imported from megatron.core.utils, where
+        # 0.19 has no such function: every rank failed here, alike).
         destroy_global_vars()
         destroy_num_microbatches_calculator()
-        destroy_global_memory_buffer()
         destroy_rerun_state_machine()
         margs = copy.deepcopy(self.pristine)
         set_global_variables(margs)

@@ -210,9 +210,19 @@ class _Driver:
         from deadpool_megatron.reconstruct.groups import REBUILD_TIMEOUT_S
         from deadpool_megatron.reconstruct.spare import local_world
 
+        from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
+
         member = self.member
         timeout = timedelta(seconds=REBUILD_TIMEOUT_S)
-        with local_world(member.rank, member.world), self.loop.groups_patched(timeout):
+        # Seen by the hang analysis from its assignment on, its build a long operation:
+        # before its first stamp (rejoin's) a spare had no view, and one frozen while it
+        # built was never found: the survivors waiting for it were guessed hung instead,
+        # each taking a spare (chaos soak seed 192).
+        member.stamp("recovery")
+        building = member.progress.long_operation(BEFORE_FIRST_ITERATION_S) \
+            if member.progress is not None else contextlib.nullcontext()
+        with building, local_world(member.rank, member.world), \
+                self.loop.groups_patched(timeout):
             self.loop.make_groups(timeout)
             self._start_thread(spare=True)
         log.info("spare %s takes rank %d (generation %d); built its objects alone in %.0f ms",
