@@ -3,11 +3,15 @@ in-memory snapshots go to --save, and the job resumes from them bit-exact."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -260,6 +264,71 @@ def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
     assert "was taken from a different model or optimizer layout" in third.logs[0]
     assert "relaunch with the parallel layout and model it was flushed with, or delete " \
            f"{save}/deadpool_flush/latest.txt" in third.logs[0], third.describe()
+
+
+def _freeze_then_stop(workers: Path, worker: str, after: str, done: threading.Event,
+                      frozen: list[int]) -> None:
+    """SIGSTOP `worker` once `after` appears in w4's log (rank 4 logs the iterations);
+    1.5 s later (its host has reported it stopped), SIGTERM the launcher's process group
+    (a scheduler's stop)."""
+    log = workers / "epoch0" / "w4.log"
+    while not done.wait(0.05):
+        if log.exists() and after in log.read_text(errors="replace"):
+            break
+    else:
+        return
+    procs = list(psutil.process_iter(["name", "cmdline"]))
+    for proc in procs:
+        if proc.info["name"] == worker:
+            proc.send_signal(signal.SIGSTOP)
+            frozen.append(proc.pid)
+    if done.wait(1.5):
+        return
+    for proc in procs:
+        if str(workers) in " ".join(proc.info["cmdline"] or []) and \
+                "deadpool_megatron.launch" in proc.info["cmdline"]:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+
+@pytest.mark.multiproc
+@pytest.mark.fault_matrix
+def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 3 is stopped by a signal (SIGSTOP: a debugger, a cgroup freeze) in iteration 3,
+    and the scheduler's SIGTERM comes before its hang is found. It cannot write its shard:
+    host 0 counts it lost, its buddy (rank 7) writes its copy, the flush is complete at
+    once, the stopped worker is killed without waiting out --shutdown-timeout, and the
+    relaunch resumes bit-exact. Before, the flush waited --flush-timeout for its report and
+    had no complete iteration, and the stop waited out the shutdown timeout for it."""
+    save = tmp_path / "ckpt"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
+            "--save-interval", "100", "--deadpool-events", str(tmp_path / "events")]
+    launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
+    done, frozen = threading.Event(), []
+    freezer = threading.Thread(target=_freeze_then_stop, daemon=True, args=(
+        tmp_path / "first" / "workers", "w3", "iteration        3/", done, frozen))
+    freezer.start()
+    try:
+        first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV)
+    finally:
+        done.set()
+        freezer.join(5)
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out = first.logs[0]
+    assert frozen and first.returncodes == [143] and not first.timed_out, first.describe()
+    assert "ranks [3] are stopped by a signal (['w3'])" in out, first.describe()
+    assert "killing worker w3: stopped by a signal" in out, first.describe()
+    flushed = [int(i) for i in FLUSHED.findall(out)]
+    assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
+    written = [e for e in load_events(tmp_path / "events") if e["event"] == "flushed"]
+    assert [e["rank"] for e in written if "3" in e["written"]] == [7], first.describe()
+    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
+                          timeout_s=400, env=ENV)
+    assert second.ok, second.describe()
+    assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
+    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
 
 
 @pytest.mark.multiproc

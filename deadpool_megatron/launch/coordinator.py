@@ -19,6 +19,7 @@ from deadpool_megatron.control.alike import (Failure, alike_before_built, alike_
                                              error_kind)
 from deadpool_megatron.control.auth import SignedStore
 from deadpool_megatron.control.declaration import Declaration, first_worker
+from deadpool_megatron.control.hang import STOPPED as OS_STOPPED
 from deadpool_megatron.control.hang import WorkerView, find_hung, hang_timeout
 from deadpool_megatron.control.policy import (CONFIG_REFUSED_RC, RECOVERY_IMPOSSIBLE_RC,
                                               RecoveryImpossible, assign_spares,
@@ -74,6 +75,7 @@ class Coordinator:
         self.finished: set[str] = set()  # exited 0: done
         self.declared_at = time.monotonic()  # when the current generation was declared
         self.building_seen = float("-inf")  # a member last seen in a long operation
+        self.frozen: set[str] = set()  # members last seen stopped by a signal (SIGSTOP)
         self.declare_at = 0.0
         self._exits_seen = 0
         self._exits_read: set[str] = set()  # workers whose exit report was read
@@ -330,6 +332,7 @@ class Coordinator:
                     except (KeyError, TypeError, ValueError):
                         log.warning("deadpool-launch: ignored a malformed view of %s from "
                                     "host %d", worker, host)
+        self.frozen = {v.worker for v in views if v.os_state == OS_STOPPED}
         if self.failed:
             return  # a declaration is due: the stalls it explains end with it
         # A worker that reported itself done stamps no more: only the views the hang
@@ -460,7 +463,15 @@ class Coordinator:
 
     # -- flush (the epoch ends; launch/launcher.py waits for the workers' reports) -----------
     def declare_flush(self, lost: list[int], reason: str) -> list[str]:
-        """Declare a generation that only flushes; returns the workers expected to report."""
+        """Declare a generation that only flushes; returns the workers expected to report.
+        A member last seen stopped by a signal cannot write: its rank counts as lost, so
+        its buddy writes its copy (and the flush does not wait --flush-timeout for it)."""
+        frozen = sorted(r for r, w in self.current.items()
+                        if w in self.frozen and w not in self.gone and r not in lost)
+        if frozen:
+            log.warning("deadpool-launch: ranks %s are stopped by a signal (%s): their buddies "
+                        "flush their copies", frozen, [self.current[r] for r in frozen])
+            lost = sorted([*lost, *frozen])
         generation = self.generation + 1
         self.store.set(keys.flush(generation), json.dumps({"lost": lost, "reason": reason}))
         self.store.set(keys.members(generation), json.dumps(self.current))

@@ -243,9 +243,17 @@ class LocalWorkers:
         return any(p.poll() is None for p in self.procs.values())
 
     def stop(self, timeout_s: float) -> None:
-        """Give every worker until the deadline to exit on its own, then SIGKILL it."""
+        """Give every worker until the deadline to exit on its own, then SIGKILL it. One
+        stopped by a signal (SIGSTOP, a debugger, a cgroup freeze) cannot: it is killed at
+        once (the job waited the whole --shutdown-timeout for one in chaos soak seed 192)."""
         deadline = time.monotonic() + timeout_s
         while self.alive() and time.monotonic() < deadline:
+            for worker, proc in self.procs.items():
+                if proc.poll() is None and _os_state(proc.pid) == STOPPED:
+                    log.warning("deadpool-launch: killing worker %s: stopped by a signal, it "
+                                "cannot exit by itself", worker)
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(timeout=10)
             time.sleep(0.05)
         for proc in self.procs.values():
             if proc.poll() is None:
