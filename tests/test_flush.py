@@ -178,6 +178,18 @@ def test_spares_exhausted_restart_from_the_flushed_snapshot(
     assert meta["partial"]["source"] == 3, meta
 
 
+def _resumes_from_the_flush(launch: list[str], args: list[str], save: Path, log_dir: Path,
+                            flushed: int, reference: JobResult) -> None:
+    """A relaunch with --load `save` loads the snapshot of iteration `flushed`, redoes no
+    iteration before it and ends with the failure-free fingerprint."""
+    second = run_launched(launch, [*args, "--load", str(save)], log_dir, timeout_s=400,
+                          env=ENV)
+    assert second.ok, second.describe()
+    assert [int(i) for i in LOADED.findall(second.logs[0])] == [flushed], second.describe()
+    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed + 1
+    assert second.fingerprint == reference.fingerprint, second.describe()
+
+
 @pytest.mark.multiproc
 @pytest.mark.fault_matrix
 def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
@@ -196,12 +208,8 @@ def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
     flushed = [int(i) for i in FLUSHED.findall(out)]
     assert len(flushed) == 1 and flushed[0] >= 4, first.describe()
     assert f"relaunch with --load {save}" in out
-    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
-                          timeout_s=400, env=ENV)
-    assert second.ok, second.describe()
-    assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
-    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed[0] + 1
-    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+    _resumes_from_the_flush(launch, args, save, tmp_path / "second", flushed[0],
+                            failure_free_8)
 
 
 @pytest.mark.multiproc
@@ -250,12 +258,8 @@ def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
     assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
     assert "'1 (copy)': [" in out, first.describe()
     assert (Path(flush.iteration_dir(str(save), flushed[0])) / "rank_00001.copy.json").exists()
-    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
-                          timeout_s=400, env=ENV)
-    assert second.ok, second.describe()
-    assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
-    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == flushed[0] + 1
-    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+    _resumes_from_the_flush(launch, args, save, tmp_path / "second", flushed[0],
+                            failure_free_8)
     # The same flush loaded by another model: refused, saying what to change.
     other = [a if a != "64" else "32" for a in args]  # --hidden-size
     third = run_launched(launch, [*other, "--load", str(save)], tmp_path / "third",
@@ -324,11 +328,8 @@ def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
     assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
     written = [e for e in load_events(tmp_path / "events") if e["event"] == "flushed"]
     assert [e["rank"] for e in written if "3" in e["written"]] == [7], first.describe()
-    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
-                          timeout_s=400, env=ENV)
-    assert second.ok, second.describe()
-    assert [int(i) for i in LOADED.findall(second.logs[0])] == flushed
-    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+    _resumes_from_the_flush(launch, args, save, tmp_path / "second", flushed[0],
+                            failure_free_8)
 
 
 @pytest.mark.multiproc
@@ -354,12 +355,7 @@ def test_sigterm_while_a_training_thread_is_blocked_still_flushes_every_shard(
     assert first.returncodes == [143] and not first.timed_out, first.describe()
     assert "flushing this rank's snapshots without it" in first.output, first.describe()
     assert [int(i) for i in FLUSHED.findall(out)] == [3], first.describe()
-    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
-                          timeout_s=400, env=ENV)
-    assert second.ok, second.describe()
-    assert [int(i) for i in LOADED.findall(second.logs[0])] == [3]
-    assert min(int(i) for i in ITERATION.findall(second.logs[0])) == 4
-    assert second.fingerprint == failure_free_8.fingerprint, second.describe()
+    _resumes_from_the_flush(launch, args, save, tmp_path / "second", 3, failure_free_8)
 
 
 def test_a_flush_that_wrote_nothing_says_why(tmp_path: Path) -> None:
