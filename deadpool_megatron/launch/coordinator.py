@@ -492,7 +492,8 @@ class Coordinator:
         each, never a multi_get: a worker that exited without a report has no key, and
         torch's multi_get waits for every key it names."""
         if not workers:
-            return "no live worker was left to write any"
+            return "no live worker was left to write any: the newest checkpoint under " \
+                   "--save, if any, is the state to load"
         reports = [self.store.read(keys.flush_report(w)) for w in workers]
         if any(r is None or json.loads(r).get("written") for r in reports):
             return None

@@ -282,8 +282,7 @@ class Launcher:
         nothing = None if iteration is not None or missing \
             else coordinator.why_nothing_flushed(expected)
         if nothing is not None:
-            log.warning("deadpool-launch: no worker holds snapshots to flush (%s)%s", nothing,
-                        resume if "relaunch" not in nothing else "")
+            log.warning("deadpool-launch: no worker holds snapshots to flush (%s)", nothing)
             return
         if iteration is None:
             log.error("deadpool-launch: the flush wrote no complete snapshot in %.1f s "

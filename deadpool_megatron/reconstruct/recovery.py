@@ -741,7 +741,8 @@ def flush_if_asked(member: Member, generation: int) -> None:
     raise JobFlushed(f"rank {member.rank}: flushed {written} ({request['reason']})")
 
 
-def flush_held(member: Member, lost: set[int], flush: int | None = None) -> dict[str, list[int]]:
+def flush_held(member: Member, lost: set[int],
+               flush: int | None = None) -> dict[str, list[int]]:
     """Write to --save every complete snapshot of this rank's shard it holds, and of its
     ward's shard if the ward is lost (snapshot/flush.py); {rank: [iterations]}. With the
     flush's generation `flush`, also a stand-in copy of the ward's if the ward was replaced
@@ -760,10 +761,10 @@ def flush_held(member: Member, lost: set[int], flush: int | None = None) -> dict
     for rank, slot in engine.flushable(ward if ward in lost or stand_in else None):
         # A partial copy goes without its replicated region, which its data-parallel
         # source (alive, or the plan had refused) writes in its own shard.
+        copy = stand_in and rank == ward
         write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None,
-                    copy=stand_in and rank == ward)
-        key = str(rank) if not (stand_in and rank == ward) else f"{rank} (copy)"
-        written.setdefault(key, []).append(slot.iteration)
+                    copy=copy)
+        written.setdefault(f"{rank} (copy)" if copy else str(rank), []).append(slot.iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written
 

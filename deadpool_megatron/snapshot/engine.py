@@ -197,7 +197,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
 
     # -- membership ------------------------------------------------------------------------
     def connect(self, generation: int = 0) -> None:
-        """Join the current generation (`generation`): its buddy ring, and a gloo group with the buddy and
+        """Join generation `generation`: its buddy ring, and a gloo group with the buddy and
         one with the ward, of this rank's snapshots only (snapshot traffic never queues
         behind, or blocks, training's). No world-sized group: a world-sized gloo group is a
         full mesh, N^2 connections at every start and recovery; these are two per rank.

@@ -67,10 +67,11 @@ def _write_atomic(path: str, data: bytes) -> None:
 def write_shard(save: str, rank: int, slot: Slot, source: int | None = None,
                 copy: bool = False) -> str:
     """Write one rank's shard (a verified snapshot slot); the metadata file, written last,
-    says it is whole. `copy`: a buddy's stand-in copy of a rank that may write its own. A buddy's partial copy (its replicated region lives on the
-    data-parallel peer `source`, snapshot/manifest.py) is written without that region, with
-    its chunk table: `read_shard` takes the region from the source's own flushed shard of
-    the same iteration, which the source writes itself."""
+    says it is whole. `copy`: a buddy's stand-in copy of a rank that may write its own. A
+    buddy's partial copy (its replicated region lives on the data-parallel peer `source`,
+    snapshot/manifest.py) is written without that region, with its chunk table:
+    `read_shard` takes the region from the source's own flushed shard of the same
+    iteration, which the source writes itself."""
     os.makedirs(iteration_dir(save, slot.iteration), exist_ok=True)
     data, meta = _paths(save, slot.iteration, rank, copy)
     info = {"rank": rank, "iteration": slot.iteration, "flat_bytes": slot.flat.numel(),

@@ -65,22 +65,20 @@ class TrainingLoop(Protocol):
         """What a spare can do before it knows its rank (imports)."""
 
 
-def leave_sigterm_to_the_launcher() -> bool:
+def leave_sigterm_to_the_launcher() -> None:
     """A scheduler that stops the job signals every process of it; the launcher has the
     workers flush what they hold and then ends them, so a worker does not die of it (in
     Megatron's loop too, which installs no handler of its own under hot-swap). Called by
     each entry point as soon as it has joined the control plane, before the long build
     (datasets, model), where a SIGTERM would otherwise kill the worker. Only the main
-    thread may install a handler: from another thread it says so and leaves torch's.
-    Whether it was installed."""
+    thread may install a handler: from another thread it says so and leaves torch's."""
     if threading.current_thread() is not threading.main_thread():
         log.warning("SIGTERM not left to deadpool-launch: the worker was started off the main "
                     "thread (%s), so a scheduler's SIGTERM ends it at once",
                     threading.current_thread().name)
-        return False
+        return
     signal.signal(signal.SIGTERM, lambda *_: log.warning(
         "SIGTERM: left to deadpool-launch, which flushes the newest snapshots and stops"))
-    return True
 
 
 def run_worker(ctl: ControlClient, new_member: Callable[[int, int], Member],
