@@ -120,7 +120,9 @@ class ProgressBoard:
         self._words = memoryview(self._map).cast("q")
         self._index = {name: i for i, name in enumerate(FIELDS)}
         self._counter = 0
-        self._set(pid=os.getpid(), timeout_ns=int((timeout_s or 0) * 1e9))
+        # Stamped when made (the counter stays 0): a worker stopped by a signal before its
+        # first stamp is seen stalled from here (launch/workers.py reports it).
+        self._set(pid=os.getpid(), timeout_ns=int((timeout_s or 0) * 1e9), stamp_ns=now_ns())
         os.rename(aside, path)  # whole, at once: a reader never maps a short file
         self.training_thread: int | None = None
         self._stop = threading.Event()

@@ -230,9 +230,15 @@ class LocalWorkers:
             if proc.poll() is not None:
                 continue
             rec = progress.read(os.path.join(self.progress_dir, worker))
-            if rec is None or rec.counter == 0:
-                continue  # not started training yet (a waiting spare)
-            out[worker] = worker_view(rec, now, _os_state(proc.pid))
+            if rec is None:
+                continue
+            state = _os_state(proc.pid)
+            if rec.counter == 0 and state != STOPPED:
+                continue  # starting, or a waiting spare: nothing to judge yet
+            # Stopped by a signal before its first stamp (a worker frozen while the job
+            # starts): seen, or every peer waited out the rendezvous for it and the job
+            # ended (chaos soak seed 201). Host 0 judges members only.
+            out[worker] = worker_view(rec, now, state)
         return out
 
     def _stop_orphans(self) -> None:
