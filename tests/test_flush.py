@@ -3,13 +3,12 @@ in-memory snapshots go to --save, and the job resumes from them bit-exact."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
-import threading
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -20,6 +19,7 @@ from deadpool_megatron.metrics.timeline import load_events
 from deadpool_megatron.snapshot import flush
 from deadpool_megatron.snapshot.buffers import Slot, checksum
 from deadpool_megatron.testing.jobs import JobResult, run_launched
+from deadpool_megatron.testing.signals import signal_worker_when
 
 ITERS = 8
 ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
@@ -270,28 +270,15 @@ def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
            f"{save}/deadpool_flush/latest.txt" in third.logs[0], third.describe()
 
 
-def _freeze_then_stop(workers: Path, worker: str, after: str, done: threading.Event,
-                      frozen: list[int]) -> None:
-    """SIGSTOP `worker` once `after` appears in w4's log (rank 4 logs the iterations);
-    1.5 s later (its host has reported it stopped), SIGTERM the launcher's process group
-    (a scheduler's stop)."""
-    log = workers / "epoch0" / "w4.log"
-    while not done.wait(0.05):
-        if log.exists() and after in log.read_text(errors="replace"):
-            break
-    else:
-        return
-    procs = list(psutil.process_iter(["name", "cmdline"]))
-    for proc in procs:
-        if proc.info["name"] == worker:
-            proc.send_signal(signal.SIGSTOP)
-            frozen.append(proc.pid)
-    if done.wait(1.5):
-        return
-    for proc in procs:
-        if str(workers) in " ".join(proc.info["cmdline"] or []) and \
-                "deadpool_megatron.launch" in proc.info["cmdline"]:
-            os.killpg(proc.pid, signal.SIGTERM)
+def _stop_the_launcher(workers: Path) -> Callable[[], None]:
+    """SIGTERM to the process group of the launcher writing under `workers` (a scheduler's
+    stop)."""
+    def stop() -> None:
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if "deadpool_megatron.launch" in cmdline and str(workers) in cmdline:
+                os.killpg(proc.pid, signal.SIGTERM)
+    return stop
 
 
 @pytest.mark.multiproc
@@ -308,18 +295,12 @@ def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
             "--save-interval", "100", "--deadpool-events", str(tmp_path / "events")]
     launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
-    done, frozen = threading.Event(), []
-    freezer = threading.Thread(target=_freeze_then_stop, daemon=True, args=(
-        tmp_path / "first" / "workers", "w3", "iteration        3/", done, frozen))
-    freezer.start()
-    try:
+    workers = tmp_path / "first" / "workers"
+    # Rank 4 logs the iterations. 1.5 s after the freeze its host has reported it stopped.
+    with signal_worker_when(workers / "epoch0" / "w4.log", "iteration        3/", "w3",
+                            signal.SIGSTOP, then=_stop_the_launcher(workers),
+                            then_after_s=1.5) as frozen:
         first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV)
-    finally:
-        done.set()
-        freezer.join(5)
-        for pid in frozen:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     out = first.logs[0]
     assert frozen and first.returncodes == [143] and not first.timed_out, first.describe()
     assert "ranks [3] are stopped by a signal (['w3'])" in out, first.describe()

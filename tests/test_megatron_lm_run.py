@@ -14,23 +14,20 @@ and rebind their groups, and train() is entered again at the restored iteration
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import re
 import shutil
 import signal
-import threading
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
 import megatron
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.testing.jobs import MEGATRON_GPT, JobResult, run_job, run_launched
+from deadpool_megatron.testing.signals import signal_worker_when
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 from deadpool_megatron.metrics.timeline import load_events
 from recoveries import SPREAD_TOLERANCE, check_recoveries
@@ -202,23 +199,6 @@ def test_megatrons_train_entered_again_after_a_restore_from_the_buddy_is_bit_ide
     assert job.fingerprint == run.fingerprint, job.describe()
 
 
-def _kill_rank_when(log: Path, text: str, worker: str, stop: threading.Event,
-                    killed: list[int], sig: int = signal.SIGKILL) -> None:
-    """SIGKILL (or `sig`) the launcher's `worker` (its process name: launch/preload.py)
-    once `text` appears in `log`."""
-    while not stop.wait(0.05):
-        if not log.exists() or text not in log.read_text(errors="replace"):
-            continue
-        for proc in psutil.process_iter(["name"]):
-            if proc.info["name"] == worker:
-                try:
-                    proc.send_signal(sig)
-                    killed.append(proc.pid)
-                except psutil.NoSuchProcess:
-                    continue
-        return
-
-
 @pytest.mark.fault_matrix
 def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_save(
         patched_tree: Path, plain, tmp_path: Path) -> None:
@@ -227,19 +207,12 @@ def test_under_deadpool_launch_a_killed_rank_restarts_the_job_from_megatrons_sav
     own load resumes the same training bit for bit."""
     run = plain
     script = patched_tree / "pretrain_gpt.py"
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
-        tmp_path / "launch" / "workers" / "epoch0" / "w0.log",  # direct, not the console's
-        "saved checkpoint from iteration       2 ", "w5", stop, killed))
-    killer.start()
-    try:
+    with signal_worker_when(tmp_path / "launch" / "workers" / "epoch0" / "w0.log",  # direct
+                            "saved checkpoint from iteration       2 ", "w5") as killed:
         job = run_launched(["--nproc-per-node", "8", "--max-restarts", "1"],
                            [*MODEL, *CPU_FLAGS, "--save", str(tmp_path / "ckpt"),
                             "--save-interval", "2"],
                            tmp_path / "launch", timeout_s=700, env=ENV, script=script)
-    finally:
-        stop.set()
-        killer.join(5)
     assert killed, job.describe()
     assert job.returncodes == [0], job.describe()
     assert "restarting all 8 workers with --load" in job.output, job.describe()
@@ -302,19 +275,12 @@ def test_a_kill_while_megatron_builds_has_every_rank_build_again(
     0.19 does not have, every rank failed alike and the job ended with that ImportError
     (found by chaos soak seed 191, a fault during the restarted job's build)."""
     events = tmp_path / "events"
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
-        tmp_path / "launch" / "workers" / "epoch0" / "w4.log",
-        "number of parameters on", "w4", stop, killed))
-    killer.start()
-    try:
+    with signal_worker_when(tmp_path / "launch" / "workers" / "epoch0" / "w4.log",
+                            "number of parameters on", "w4") as killed:
         job = run_launched(["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
                            [*MODEL, *CPU_FLAGS, "--deadpool", "--deadpool-events",
                             str(events)], tmp_path / "launch", timeout_s=400, env=ENV,
                            script=MEGATRON_GPT)
-    finally:
-        stop.set()
-        killer.join(5)
     assert killed and job.ok, job.describe()
     assert job.fingerprint == plain.fingerprint, job.describe()
     assert "ImportError" not in job.output and "restarting" not in job.output, job.describe()
@@ -401,20 +367,10 @@ def test_a_spare_frozen_while_it_builds_is_found_and_replaced(plain, tmp_path: P
     survivor waiting for it is taken for hung, and the run ends bit-exact. Before, a spare
     had no view until its first stamp after the build: the survivors waiting for it were
     guessed hung one after another, each taking a spare (chaos soak seed 192)."""
-    stop, stopped = threading.Event(), []
-    freezer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
-        tmp_path / "launch" / "launcher.log", "spares {1: 's0.0'}", "s0.0", stop, stopped,
-        signal.SIGSTOP))
-    freezer.start()
-    try:
+    with signal_worker_when(tmp_path / "launch" / "launcher.log", "spares {1: 's0.0'}",
+                            "s0.0", signal.SIGSTOP) as stopped:
         job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=1 iter=2 phase=backward"],
                                 spares=2, extra=["--deadpool-progress-timeout", "3"])
-    finally:
-        stop.set()
-        freezer.join(5)
-        for pid in stopped:  # not left stopped if the job did not end it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     assert stopped and job.ok and job.fingerprint == plain.fingerprint, job.describe()
     verdicts = [(e["culprits"], e["certain"]) for e in events if e["event"] == "hang_localized"]
     assert verdicts == [(["s0.0"], True)], job.describe()
@@ -452,19 +408,12 @@ def test_a_kill_during_megatrons_save_waits_for_a_survivor_still_writing(
     fails) instead of giving it 5 s and leaving the job too (before: every survivor still
     in the save left, and the job ended; chaos soak --loop megatron). One declaration,
     rank 5's; the run ends bit-exact, the save after iteration 4 committed."""
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_rank_when, daemon=True, args=(
-        tmp_path / "launch" / "workers" / "epoch0" / "w2.log", "test fault: sleep in save",
-        "w5", stop, killed))
-    killer.start()
-    try:
+    with signal_worker_when(tmp_path / "launch" / "workers" / "epoch0" / "w2.log",
+                            "test fault: sleep in save", "w5") as killed:
         job, events = _hot_swap(tmp_path, MEGATRON_GPT, [], spares=1, cpu_flags=[],
                                 extra=["--save", str(tmp_path / "ckpt"), "--save-interval",
                                        "2"],
                                 env={MEGATRON_FAULT: "sleep rank=2 at=save call=1 seconds=15"})
-    finally:
-        stop.set()
-        killer.join(5)
     assert killed, job.describe()
     assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
     declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]

@@ -6,22 +6,20 @@ is declared lost, a launcher killed, a job without --deadpool."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from conftest import GPT_3D_ARGS
 from deadpool_megatron.reconstruct.groups import REBUILD_TIMEOUT_S
 from deadpool_megatron.testing.jobs import REPO, JobResult, run_hosts, run_launched
+from deadpool_megatron.testing.signals import signal_worker_when
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
 
 pytestmark = pytest.mark.multiproc
@@ -192,18 +190,6 @@ def test_a_rank_killed_while_the_first_generation_creates_its_groups(
     assert all(e["generation"] == 1 for e in recovered)
 
 
-def _stop_when(log: Path, text: str, worker: str, done: threading.Event,
-               stopped: list[int]) -> None:
-    """SIGSTOP the launcher's `worker` (its process name) once `text` is in `log`."""
-    while not done.wait(0.05):
-        if log.exists() and text in log.read_text(errors="replace"):
-            for proc in psutil.process_iter(["name"]):
-                if proc.info["name"] == worker:
-                    proc.send_signal(signal.SIGSTOP)
-                    stopped.append(proc.pid)
-            return
-
-
 @pytest.mark.fault_matrix
 def test_a_rank_stopped_while_the_job_starts_is_found_and_replaced(
         tmp_path: Path, failure_free_8: JobResult) -> None:
@@ -213,19 +199,9 @@ def test_a_rank_stopped_while_the_job_starts_is_found_and_replaced(
     the run ends bit-exact. Before, a worker without a stamp had no view: every peer
     waited out the 120 s rendezvous of generation 0 for it and the job ended (chaos soak
     seed 201, in a restarted epoch)."""
-    done, stopped = threading.Event(), []
-    freezer = threading.Thread(target=_stop_when, daemon=True, args=(
-        tmp_path / "workers" / "epoch0" / "w0.log", "Unable to save MockGPTDataset", "w0",
-        done, stopped))
-    freezer.start()
-    try:
+    with signal_worker_when(tmp_path / "workers" / "epoch0" / "w0.log",
+                            "Unable to save MockGPTDataset", "w0", signal.SIGSTOP) as stopped:
         run, events = _launch(tmp_path, ["--deadpool-progress-timeout", "3"], spares=1)
-    finally:
-        done.set()
-        freezer.join(5)
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     assert stopped and run.ok and run.fingerprint == failure_free_8.fingerprint, \
         run.describe()
     assert _declared(events) == [[0]], run.describe()

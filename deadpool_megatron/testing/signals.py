@@ -1,0 +1,49 @@
+"""Test-only: a signal sent to one of a launcher's workers from outside, once a text appears
+in a log (a kill, a freeze), as real failures come: not through our injector."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import psutil
+
+
+@contextlib.contextmanager
+def signal_worker_when(log: Path, text: str, worker: str, sig: int = signal.SIGKILL,
+                       then: Callable[[], None] | None = None,
+                       then_after_s: float = 0.0) -> Iterator[list[int]]:
+    """While inside: a thread waits for `text` in `log`, sends `sig` to the process named
+    `worker` (launch/preload.py names them) and, `then_after_s` later, calls `then`.
+    Yields the pids signalled. On the way out the thread is stopped and joined, and every
+    pid signalled is killed: none is left stopped behind a test."""
+    done, hit = threading.Event(), []
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            if log.exists() and text in log.read_text(errors="replace"):
+                break
+        else:
+            return
+        for proc in psutil.process_iter(["name"]):
+            if proc.info["name"] == worker:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.send_signal(sig)
+                    hit.append(proc.pid)
+        if then is not None and not done.wait(then_after_s):
+            then()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield hit
+    finally:
+        done.set()
+        thread.join(5)
+        for pid in hit:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
