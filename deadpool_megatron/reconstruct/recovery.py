@@ -242,13 +242,13 @@ def adopt(member: Member, state: LoopState, spare: bool) -> None:
 
 
 # -- leave --------------------------------------------------------------------------------
-def leave(member: Member, training: StoppableThread | None,
-          peak: PeakRss | None = None) -> int:
-    """Stop the broken generation here; returns the generation to join next. `peak` is
-    told when the training thread stopped."""
+def leave(member: Member, training: StoppableThread | None, generation: int,
+          peak: PeakRss | None = None, since: float | None = None) -> int:
+    """Stop the broken generation here for `generation`, the one declared to join next
+    (waited for since `since`); returns it. `peak` is told when the training thread
+    stopped."""
     ctl = member.ctl
-    laps = _Laps()
-    generation = ctl.wait_generation_after(member.generation)
+    laps = _Laps(since)
     flushing = ctl.flush_of(generation) is not None
     if ctl.members(generation).get(member.rank) != ctl.worker:
         raise CannotContinue(f"rank {member.rank} was declared lost in generation {generation}")
@@ -339,9 +339,9 @@ def _at_barrier(member: Member) -> bool:
 class _Laps:
     """Milliseconds between named points (for the recovery events)."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float | None = None) -> None:
         self.ms: dict[str, float] = {}
-        self._last = time.perf_counter()
+        self._last = time.perf_counter() if since is None else since
 
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
@@ -714,13 +714,13 @@ def _durable_iteration(cfg: TrainConfig) -> int:
     return 0
 
 
-def recover(member: Member, training: StoppableThread | None,
-            rebuild: Callable[[], None]) -> dict[int, MicrobatchWork]:
-    """From a broken generation to the next one's replay."""
-    t0 = time.perf_counter()
+def recover(member: Member, training: StoppableThread | None, rebuild: Callable[[], None],
+            generation: int, t0: float) -> dict[int, MicrobatchWork]:
+    """From a broken generation to the replay of `generation`, declared to replace it (the
+    failure was seen at `t0`)."""
     peak = PeakRss()
     peak.start()
-    generation = leave(member, training, peak=peak)
+    generation = leave(member, training, generation, peak=peak, since=t0)
     flush_if_asked(member, generation)
     return enter(member, generation, t0, rebuild, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})

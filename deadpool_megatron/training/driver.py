@@ -234,18 +234,27 @@ class _Driver:
         return enter(self.member, generation, t0, self._build_together)
 
     def _recover(self, err: BaseException) -> Work:
-        """Recover, again and again while failures strike during recovery."""
+        """Recover, again and again while failures strike during recovery. Each attempt
+        goes to a generation declared after the one the last attempt went to: a peer's
+        failure during a recovery breaks the generation being formed, so the launcher
+        declares a newer one. An error that only reads as a peer's (this rank's own,
+        wrapped) is then not tried again and again: no newer generation comes, and the
+        rank leaves with it (`_declared_after`)."""
         from deadpool_megatron.reconstruct.recovery import recover
 
         member = self.member
+        after, again_of = member.generation, None
         while True:
             self._flush_if_control_lost()
             log.warning("rank %d: generation %d broken (%s); recovering", member.rank,
-                        member.generation,
-                        str(err).splitlines()[0][:160] if str(err) else type(err).__name__)
+                        member.generation, _first_line(err))
+            target = None
             try:
                 with self._watched():
-                    return recover(member, self._stoppable(), self._build_together)
+                    t0 = time.perf_counter()
+                    target = self._declared_after(after, again_of)
+                    return recover(member, self._stoppable(), self._build_together, target,
+                                   t0)
             except JobFlushed as flushed:
                 log.warning("%s", flushed)
                 exit_now(0)
@@ -258,7 +267,23 @@ class _Driver:
                     exit_now(fail_this_rank(member, again))
                 if not isinstance(again, Exception) or not caused_by_a_peer(again):
                     exit_now(fail_this_rank(member, again, traceback.format_exc()))
-                err = without_frames(again)
+                err = again_of = without_frames(again)
+                after = max(after, member.generation, target if target is not None else after)
+
+    def _declared_after(self, after: int, again_of: BaseException | None) -> int:
+        """The newest generation declared after `after`. Waiting past the generation that a
+        recovery failed to reach (`again_of`: its error) and timing out, the error is taken
+        for this rank's own (CannotContinue: it leaves, and a spare replaces it)."""
+        ctl = self.member.ctl
+        try:
+            return ctl.wait_generation_after(after)
+        except TimeoutError:
+            if again_of is None:
+                raise
+        raise CannotContinue(
+            f"rank {self.member.rank}: the recovery to generation {after} failed with an error "
+            f"that reads as a peer's ({_first_line(again_of)}), but no newer generation was "
+            f"declared within {ctl.timeout_s:.0f} s: it is taken for this rank's own")
 
     def _watched(self) -> ContextManager[None]:
         """The progress monitor watches this (the main) thread while it recovers."""
@@ -346,6 +371,10 @@ def member_injector(ft: DeadPoolConfig, ctl: ControlClient, rank: int, sizes: ob
     injector = FaultInjector(mine, rank, events)
     injector.follow_control(ctl.store, ctl.worker)
     return injector
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0][:160] if str(err) else type(err).__name__
 
 
 def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int:
