@@ -8,9 +8,7 @@ import os
 import re
 import signal
 from pathlib import Path
-from typing import Callable
 
-import psutil
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from deadpool_megatron.metrics.timeline import load_events
 from deadpool_megatron.snapshot import flush
 from deadpool_megatron.snapshot.buffers import Slot, checksum
 from deadpool_megatron.testing.jobs import JobResult, run_launched
-from deadpool_megatron.testing.signals import signal_worker_when
+from deadpool_megatron.testing.signals import sigterm_the_launcher, signal_worker_when
 
 ITERS = 8
 ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
@@ -270,17 +268,6 @@ def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
            f"{save}/deadpool_flush/latest.txt" in third.logs[0], third.describe()
 
 
-def _stop_the_launcher(workers: Path) -> Callable[[], None]:
-    """SIGTERM to the process group of the launcher writing under `workers` (a scheduler's
-    stop)."""
-    def stop() -> None:
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = proc.info["cmdline"] or []
-            if "deadpool_megatron.launch" in cmdline and str(workers) in cmdline:
-                os.killpg(proc.pid, signal.SIGTERM)
-    return stop
-
-
 @pytest.mark.multiproc
 @pytest.mark.fault_matrix
 def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
@@ -298,7 +285,7 @@ def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
     workers = tmp_path / "first" / "workers"
     # Rank 4 logs the iterations. 1.5 s after the freeze its host has reported it stopped.
     with signal_worker_when(workers / "epoch0" / "w4.log", "iteration        3/", "w3",
-                            signal.SIGSTOP, then=_stop_the_launcher(workers),
+                            signal.SIGSTOP, then=sigterm_the_launcher(workers),
                             then_after_s=1.5) as frozen:
         first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV)
     out = first.logs[0]

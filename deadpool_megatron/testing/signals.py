@@ -47,3 +47,14 @@ def signal_worker_when(log: Path, text: str, worker: str, sig: int = signal.SIGK
         for pid in hit:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def sigterm_the_launcher(workers: Path) -> Callable[[], None]:
+    """A `then` for `signal_worker_when`: SIGTERM to the process group of the launcher
+    whose --log-dir is `workers` (a scheduler's stop)."""
+    def stop() -> None:
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if "deadpool_megatron.launch" in cmdline and str(workers) in cmdline:
+                os.killpg(proc.pid, signal.SIGTERM)
+    return stop
