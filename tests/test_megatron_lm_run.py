@@ -290,6 +290,25 @@ def test_a_kill_while_megatron_builds_has_every_rank_build_again(
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_stopped_while_megatron_starts_is_found_and_replaced(
+        plain, tmp_path: Path) -> None:
+    """Megatron's loop, as test_real_failures.py's test of our loop: rank 0 is stopped
+    (SIGSTOP) while it builds its datasets, before its first progress stamp. Its host
+    reports it stopped, it is found at the 3 s progress timeout, a spare takes it, every
+    rank builds afresh (there is no snapshot yet) and the run ends bit-exact."""
+    with signal_worker_when(tmp_path / "launch" / "workers" / "epoch0" / "w0.log",
+                            "Unable to save MockGPTDataset", "w0", signal.SIGSTOP) as stopped:
+        job, events = _hot_swap(tmp_path, MEGATRON_GPT, [], spares=1,
+                                extra=["--deadpool-progress-timeout", "3"])
+    assert stopped and job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert [e["failed_ranks"] for e in events if e["event"] == "generation_declared"] == \
+        [[0]], job.describe()
+    (verdict,) = [e for e in events if e["event"] == "hang_localized"]
+    assert verdict["culprits"] == ["w0"] and verdict["certain"], verdict
+    assert verdict["why"]["w0"] == "stopped by a signal", verdict
+
+
+@pytest.mark.fault_matrix
 def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """Four kills in Megatron's own loop, one an iteration: in the first iteration's
