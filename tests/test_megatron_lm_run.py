@@ -597,17 +597,26 @@ def test_a_schedulers_sigterm_in_megatrons_loop_flushes_and_a_relaunch_resumes_t
 FLUSHED = re.compile(r"flushed the snapshot of iteration (\d+) to")
 
 
-def _relaunch_resumes_from_the_flush(first: JobResult, launch: list[str], args: list[str],
-                                     save: Path, log_dir: Path, plain: JobResult) -> None:
-    """`first` was stopped and flushed one snapshot, with no Megatron save under `save`:
-    the relaunch with --load starts Megatron afresh, loads the flushed snapshot over it,
-    redoes no iteration before it and ends with the failure-free fingerprint and
-    validation losses."""
+def _stopped_then_resumed(tmp_path: Path, plain: JobResult, launch: list[str],
+                          extra: list[str] = (), term_at: str | None = None
+                          ) -> tuple[JobResult, dict[str, list[int]]]:
+    """Megatron's loop with --save (no Megatron save within its 4 iterations) and `extra`,
+    stopped by the scheduler (SIGTERM at `term_at`, or sent by the caller): it ends 143
+    with one flushed snapshot. The relaunch with --load starts Megatron afresh, loads the
+    flushed snapshot, redoes no iteration before it and ends with the failure-free
+    fingerprint and validation losses. Returns the first run and which ranks wrote each
+    flushed shard ("R", or "R (copy)" for a buddy's stand-in copy)."""
+    save, events = tmp_path / "ckpt", tmp_path / "events"
+    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "100",
+            "--deadpool-events", str(events)]
+    first = run_launched(launch, [*args, *extra], tmp_path / "first", timeout_s=400, env=ENV,
+                         script=MEGATRON_GPT, term_at=term_at)
+    assert first.returncodes == [143] and not first.timed_out, first.describe()
     flushed = [int(i) for i in FLUSHED.findall(first.output)]
     assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
     assert not (save / "latest_checkpointed_iteration.txt").exists()
-    second = run_launched(launch, [*args, "--load", str(save)], log_dir, timeout_s=400,
-                          env=ENV, script=MEGATRON_GPT)
+    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
+                          timeout_s=400, env=ENV, script=MEGATRON_GPT)
     assert second.ok and second.fingerprint == plain.fingerprint, second.describe()
     assert f"loaded the snapshot of iteration {flushed[0]} flushed to" in second.output, \
         second.describe()
@@ -615,6 +624,12 @@ def _relaunch_resumes_from_the_flush(first: JobResult, launch: list[str], args: 
     assert done and min(done) == flushed[0] + 1, second.describe()
     assert _validation(second.output) == [v for v in _validation(plain.output)
                                           if int(v[0]) > flushed[0]], second.describe()
+    writers: dict[str, list[int]] = {}
+    for e in load_events(events):
+        if e["event"] == "flushed":
+            for shard in e["written"]:
+                writers.setdefault(shard, []).append(e["rank"])
+    return first, writers
 
 
 @pytest.mark.fault_matrix
@@ -624,17 +639,11 @@ def test_a_sigterm_during_a_recovery_in_megatrons_loop_flushes_the_spares_rank_f
     3 and the scheduler's SIGTERM comes as a spare is declared in its place, before it has
     restored anything. Rank 1's buddy (rank 5) writes its copy as a stand-in, the flush is
     complete, and the relaunch resumes from it (no Megatron save exists) bit-exact."""
-    save = tmp_path / "ckpt"
-    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "100",
-            "--deadpool-events", str(tmp_path / "events")]
-    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
-    first = run_launched(launch, [*args, "--deadpool-inject", "kill rank=1 iter=3 phase=backward"],
-                         tmp_path / "first", timeout_s=400, env=ENV, script=MEGATRON_GPT,
-                         term_at="ranks [1] failed; spares")
-    assert first.returncodes == [143] and not first.timed_out, first.describe()
-    written = [e for e in load_events(tmp_path / "events") if e["event"] == "flushed"]
-    assert [e["rank"] for e in written if "1 (copy)" in e["written"]] == [5], first.describe()
-    _relaunch_resumes_from_the_flush(first, launch, args, save, tmp_path / "second", plain)
+    first, writers = _stopped_then_resumed(
+        tmp_path, plain, ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
+        ["--deadpool-inject", "kill rank=1 iter=3 phase=backward"],
+        term_at="ranks [1] failed; spares")
+    assert writers.get("1 (copy)") == [5], (writers, first.describe())
 
 
 @pytest.mark.fault_matrix
@@ -644,23 +653,17 @@ def test_a_sigterm_while_a_rank_is_frozen_in_megatrons_loop_flushes_its_copy_fro
     (SIGSTOP) as iteration 3 is logged and the scheduler's SIGTERM comes 1.5 s later,
     before its hang is found. Host 0 counts it lost, its buddy (rank 7) writes its copy,
     the stopped worker is killed at once, and the relaunch resumes bit-exact."""
-    save = tmp_path / "ckpt"
-    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "100",
-            "--deadpool-events", str(tmp_path / "events")]
-    launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
-    first_dir = tmp_path / "first"
+    workers = tmp_path / "first" / "workers"
     # Megatron logs its iterations on the last rank.
-    with signal_worker_when(first_dir / "workers" / "epoch0" / "w7.log", "iteration        3/",
-                            "w3", signal.SIGSTOP, then=sigterm_the_launcher(first_dir / "workers"),
+    with signal_worker_when(workers / "epoch0" / "w7.log", "iteration        3/", "w3",
+                            signal.SIGSTOP, then=sigterm_the_launcher(workers),
                             then_after_s=1.5) as frozen:
-        first = run_launched(launch, args, first_dir, timeout_s=400, env=ENV,
-                             script=MEGATRON_GPT)
-    assert frozen and first.returncodes == [143] and not first.timed_out, first.describe()
+        first, writers = _stopped_then_resumed(
+            tmp_path, plain, ["--nproc-per-node", "8", "--logical-nodes", "2"])
+    assert frozen, first.describe()
     assert "ranks [3] are stopped by a signal (['w3'])" in first.output, first.describe()
     assert "killing worker w3: stopped by a signal" in first.output, first.describe()
-    written = [e for e in load_events(tmp_path / "events") if e["event"] == "flushed"]
-    assert [e["rank"] for e in written if "3" in e["written"]] == [7], first.describe()
-    _relaunch_resumes_from_the_flush(first, launch, args, save, tmp_path / "second", plain)
+    assert writers.get("3") == [7], (writers, first.describe())
 
 
 @pytest.mark.fault_matrix
