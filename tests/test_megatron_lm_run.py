@@ -558,63 +558,29 @@ def test_two_gpus_hardware_errors_alike_in_one_save_are_each_hot_swapped(
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
 
 
-@pytest.mark.fault_matrix
-def test_a_schedulers_sigterm_in_megatrons_loop_flushes_and_a_relaunch_resumes_there(
-        plain, tmp_path: Path) -> None:
-    """SIGTERM to the launcher and every worker (a scheduler's time limit) after iteration
-    3 of Megatron's loop: no worker dies of the signal (under hot-swap Megatron installs no
-    handler of its own: the driver leaves it to the launcher), every worker writes its
-    newest snapshot to --save, the launcher stops the job with 143 and says how to resume.
-    The relaunch with --load reads Megatron's save after iteration 2 and then the newer
-    flushed snapshot over it (before, Megatron's loop flushed nothing and the relaunch redid
-    every iteration since Megatron's last save), repositions its data iterators, and ends
-    with the failure-free fingerprint and validation losses."""
-    save = tmp_path / "ckpt"
-    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "2"]
-    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
-    first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV,
-                         script=MEGATRON_GPT, term_at="iteration        3/")
-    assert first.returncodes == [143] and not first.timed_out, first.describe()
-    assert "SIGTERM: left to deadpool-launch" in first.output, first.describe()
-    assert "exited with -15" not in first.output, first.describe()
-    flushed = [int(i) for i in re.findall(r"flushed the snapshot of iteration (\d+) to",
-                                          first.output)]
-    assert len(flushed) == 1 and flushed[0] >= 3, first.describe()
-    assert f"relaunch with --load {save}" in first.output, first.describe()
-    second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
-                          timeout_s=400, env=ENV, script=MEGATRON_GPT)
-    assert second.ok and second.fingerprint == plain.fingerprint, second.describe()
-    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
-                     second.output), second.describe()
-    assert f"loaded the snapshot of iteration {flushed[0]} flushed to" in second.output, \
-        second.describe()
-    done = [int(i) for i in re.findall(r"iteration +(\d+)/ +4 \|", second.output)]
-    assert done and min(done) == flushed[0] + 1, second.describe()
-    assert _validation(second.output) == [v for v in _validation(plain.output)
-                                          if int(v[0]) > flushed[0]], second.describe()
-
-
 FLUSHED = re.compile(r"flushed the snapshot of iteration (\d+) to")
 
 
 def _stopped_then_resumed(tmp_path: Path, plain: JobResult, launch: list[str],
-                          extra: list[str] = (), term_at: str | None = None
-                          ) -> tuple[JobResult, dict[str, list[int]]]:
-    """Megatron's loop with --save (no Megatron save within its 4 iterations) and `extra`,
-    stopped by the scheduler (SIGTERM at `term_at`, or sent by the caller): it ends 143
-    with one flushed snapshot. The relaunch with --load starts Megatron afresh, loads the
-    flushed snapshot, redoes no iteration before it and ends with the failure-free
-    fingerprint and validation losses. Returns the first run and which ranks wrote each
-    flushed shard ("R", or "R (copy)" for a buddy's stand-in copy)."""
+                          extra: list[str] = (), term_at: str | None = None,
+                          save_interval: int = 100
+                          ) -> tuple[JobResult, JobResult, int, dict[str, list[int]]]:
+    """Megatron's loop with --save, `save_interval` (by default no Megatron save within
+    its 4 iterations) and `extra`, stopped by the scheduler (SIGTERM at `term_at`, or sent
+    by the caller): it ends 143 with one flushed snapshot. The relaunch with --load loads
+    Megatron's save if any, then the flushed snapshot, redoes no iteration before it and
+    ends with the failure-free fingerprint and validation losses. Returns both runs, the
+    flushed iteration, and which ranks wrote each flushed shard ("R", or "R (copy)" for a
+    buddy's stand-in copy)."""
     save, events = tmp_path / "ckpt", tmp_path / "events"
-    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "100",
-            "--deadpool-events", str(events)]
+    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval",
+            str(save_interval), "--deadpool-events", str(events)]
     first = run_launched(launch, [*args, *extra], tmp_path / "first", timeout_s=400, env=ENV,
                          script=MEGATRON_GPT, term_at=term_at)
     assert first.returncodes == [143] and not first.timed_out, first.describe()
     flushed = [int(i) for i in FLUSHED.findall(first.output)]
     assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
-    assert not (save / "latest_checkpointed_iteration.txt").exists()
+    assert (save / "latest_checkpointed_iteration.txt").exists() == (save_interval <= 4)
     second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
                           timeout_s=400, env=ENV, script=MEGATRON_GPT)
     assert second.ok and second.fingerprint == plain.fingerprint, second.describe()
@@ -629,7 +595,29 @@ def _stopped_then_resumed(tmp_path: Path, plain: JobResult, launch: list[str],
         if e["event"] == "flushed":
             for shard in e["written"]:
                 writers.setdefault(shard, []).append(e["rank"])
-    return first, writers
+    return first, second, flushed[0], writers
+
+
+@pytest.mark.fault_matrix
+def test_a_schedulers_sigterm_in_megatrons_loop_flushes_and_a_relaunch_resumes_there(
+        plain, tmp_path: Path) -> None:
+    """SIGTERM to the launcher and every worker (a scheduler's time limit) after iteration
+    3 of Megatron's loop: no worker dies of the signal (under hot-swap Megatron installs no
+    handler of its own: the driver leaves it to the launcher), every worker writes its
+    newest snapshot to --save, the launcher stops the job with 143 and says how to resume.
+    The relaunch with --load reads Megatron's save after iteration 2 and then the newer
+    flushed snapshot over it (before, Megatron's loop flushed nothing and the relaunch redid
+    every iteration since Megatron's last save), repositions its data iterators, and ends
+    with the failure-free fingerprint and validation losses."""
+    first, second, flushed, _ = _stopped_then_resumed(
+        tmp_path, plain, ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
+        term_at="iteration        3/", save_interval=2)
+    assert "SIGTERM: left to deadpool-launch" in first.output, first.describe()
+    assert "exited with -15" not in first.output, first.describe()
+    assert flushed >= 3 and f"relaunch with --load {tmp_path / 'ckpt'}" in first.output, \
+        first.describe()
+    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
+                     second.output), second.describe()
 
 
 @pytest.mark.fault_matrix
@@ -639,7 +627,7 @@ def test_a_sigterm_during_a_recovery_in_megatrons_loop_flushes_the_spares_rank_f
     3 and the scheduler's SIGTERM comes as a spare is declared in its place, before it has
     restored anything. Rank 1's buddy (rank 5) writes its copy as a stand-in, the flush is
     complete, and the relaunch resumes from it (no Megatron save exists) bit-exact."""
-    first, writers = _stopped_then_resumed(
+    first, _, _, writers = _stopped_then_resumed(
         tmp_path, plain, ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
         ["--deadpool-inject", "kill rank=1 iter=3 phase=backward"],
         term_at="ranks [1] failed; spares")
@@ -658,7 +646,7 @@ def test_a_sigterm_while_a_rank_is_frozen_in_megatrons_loop_flushes_its_copy_fro
     with signal_worker_when(workers / "epoch0" / "w7.log", "iteration        3/", "w3",
                             signal.SIGSTOP, then=sigterm_the_launcher(workers),
                             then_after_s=1.5) as frozen:
-        first, writers = _stopped_then_resumed(
+        first, _, _, writers = _stopped_then_resumed(
             tmp_path, plain, ["--nproc-per-node", "8", "--logical-nodes", "2"])
     assert frozen, first.describe()
     assert "ranks [3] are stopped by a signal (['w3'])" in first.output, first.describe()
