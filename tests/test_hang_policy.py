@@ -103,3 +103,56 @@ def test_a_rank_stopped_inside_a_long_operation_is_still_found() -> None:
     assert verdict is not None and verdict.certain and verdict.culprits == ("w3",)
     verdict = find_hung([_view("w0", 5.2, generation=1), in_long_op("w3", "S")])
     assert verdict is not None and "w3" not in verdict.stalled  # working: not timed
+
+
+def test_before_the_first_iteration_a_stopped_process_gets_the_floor_not_the_allowance() -> None:
+    """The 300 s before the first iteration are for slow imports and a slow first build,
+    which a stopped process is not doing: with them, its peers waited out generation 0's
+    120 s rendezvous for it and the epoch was lost (chaos soak seed 208). A configured
+    --deadpool-progress-timeout stays what it says."""
+    from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S, FLOOR_S, hang_timeout
+
+    assert hang_timeout(0.0, 0.0) == BEFORE_FIRST_ITERATION_S
+    assert hang_timeout(0.0, 0.0, stopped=True) == FLOOR_S < 120.0
+    assert hang_timeout(3.0, 0.0, stopped=True) == 3.0
+    assert hang_timeout(0.0, 4.0, stopped=True) == hang_timeout(0.0, 4.0) == 40.0
+
+
+def test_a_worker_stopped_before_it_made_its_progress_record_is_reported(tmp_path) -> None:
+    """Its host sees a worker started as a rank, stopped by a signal, with no progress
+    record yet (stopped moments after its start): it reports it, stalled since its start,
+    and host 0 finds it the certain culprit. A waiting spare without a record is not
+    reported (host 0 judges members only)."""
+    import signal
+    import subprocess
+    import time
+
+    from deadpool_megatron.control.hang import FLOOR_S, hang_timeout
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.workers import LocalWorkers
+
+    workers = LocalWorkers(LaunchConfig(), ["python"], store=None, master_port=0,
+                           ranks_per_node=1, epoch=0, log_dir=str(tmp_path))
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for proc in procs:
+            proc.send_signal(signal.SIGSTOP)
+        workers.procs = {"w0": procs[0], "s0.0": procs[1]}
+        workers._ranked["w0"] = time.monotonic_ns() - int(25e9)  # started 25 s ago
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and workers.views().get("w0", {}).get("os") != "T":
+            time.sleep(0.05)  # the signal is delivered
+        views = workers.views()
+        assert list(views) == ["w0"], views
+        v = views["w0"]
+        assert v["os"] == "T" and v["c"] == 0 and v["g"] == 0 and v["st"] >= 25, v
+        timeout = hang_timeout(v["to"], v["itn"], stopped=True)
+        assert timeout == FLOOR_S
+        verdict = find_hung([_view("w1", 25.0), WorkerView(
+            worker="w0", generation=0, counter=0, stalled_s=v["st"], timeout_s=timeout,
+            monitor_age_s=v["mon"], where=v["wh"], long_operation=v["long"],
+            os_state=v["os"])])
+        assert verdict is not None and verdict.certain and verdict.culprits == ("w0",)
+    finally:
+        workers.procs = dict(enumerate(procs))
+        workers.stop(timeout_s=5)  # stopped ones are killed at once; the records' directory

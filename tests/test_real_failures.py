@@ -211,6 +211,29 @@ def test_a_rank_stopped_while_the_job_starts_is_found_and_replaced(
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_stopped_as_its_epoch_starts_is_found_with_the_default_timeout(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 0 is stopped (SIGSTOP) the moment its launcher has started the epoch's workers,
+    before it has made its progress record, and the job runs with the default progress
+    timeout: its host reports it stopped since its start, and host 0 finds it at the
+    floor of 20 s, not the 300 s a slow start-up is allowed, before generation 0's 120 s
+    rendezvous runs out. A spare takes it and the run ends bit-exact. Before, it went
+    unseen (no record) or was given 300 s: the rendezvous timed out on rank 0's peers,
+    spares were guessed hung one after another, and the epoch was lost (chaos soak seed
+    208, a worker stopped 0.2 s into a restarted epoch)."""
+    with signal_worker_when(tmp_path / "launcher.log", "epoch 0: 8 workers", "w0",
+                            signal.SIGSTOP) as stopped:
+        run, events = _launch(tmp_path, spares=1)
+    assert stopped and run.ok and run.fingerprint == failure_free_8.fingerprint, \
+        run.describe()
+    assert "rendezvous of generation 0 incomplete" not in run.output, run.describe()
+    assert _declared(events) == [[0]], run.describe()
+    (verdict,) = [e for e in events if e["event"] == "hang_localized"]
+    assert verdict["culprits"] == ["w0"] and verdict["certain"], verdict
+    assert verdict["why"]["w0"] == "stopped by a signal", verdict
+
+
+@pytest.mark.fault_matrix
 def test_a_frozen_host_declared_lost_cannot_rejoin(tmp_path: Path,
                                                    failure_free_8: JobResult) -> None:
     """Host 1 (ranks 4-7, launcher included) is frozen mid-run, as by a partition; host 0

@@ -40,12 +40,15 @@ MONITOR_STALE_S = 2.0  # a monitor silent this long: the process cannot run Pyth
 STOPPED = "T"  # /proc state of a stopped process (SIGSTOP, a debugger)
 
 
-def hang_timeout(configured_s: float, iteration_s: float) -> float:
-    """--deadpool-progress-timeout if given (>0), else derived from the iteration time."""
+def hang_timeout(configured_s: float, iteration_s: float, stopped: bool = False) -> float:
+    """--deadpool-progress-timeout if given (>0), else derived from the iteration time.
+    Before the first iteration the allowance is for slow imports and a slow first build,
+    which a process stopped by a signal is not doing: it gets the floor, or its peers
+    wait out generation 0's rendezvous (120 s) for it and the epoch is lost."""
     if configured_s > 0:
         return configured_s
     if iteration_s <= 0:
-        return BEFORE_FIRST_ITERATION_S
+        return FLOOR_S if stopped else BEFORE_FIRST_ITERATION_S
     return max(FLOOR_S, ITERATIONS * iteration_s)
 
 

@@ -108,7 +108,9 @@ class Launcher:
         store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
                             self.ranks_per_node, epoch, self.console.open_epoch(epoch),
-                            preloader=self.preloader, orphans=self.orphans)
+                            preloader=self.preloader, orphans=self.orphans,
+                            progress_timeout_s=self.worker_ft.deadpool_progress_timeout
+                            or 0.0)
 
     def _worker_port(self, epoch: int) -> int:
         """The store port the workers rendezvous on. With --deadpool, the control plane's

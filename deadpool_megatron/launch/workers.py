@@ -50,7 +50,7 @@ class LocalWorkers:
     def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: SignedStore,
                  master_port: int, ranks_per_node: int, epoch: int, log_dir: str,
                  follow_s: float = REPORT_S, preloader: Preloader | None = None,
-                 orphans: Orphans | None = None) -> None:
+                 orphans: Orphans | None = None, progress_timeout_s: float = 0.0) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
         self.preloader = preloader  # forks the workers, if the host has one (launch/preload.py)
         # What a dead worker leaves behind is stopped (launch/orphans.py); the launcher's
@@ -61,6 +61,10 @@ class LocalWorkers:
         self.log_dir = log_dir  # each worker's output: log_dir/<worker>.log (launch/console.py)
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
         self.procs: dict[str, subprocess.Popen | PreloadedProcess] = {}
+        self._ranked: dict[str, int] = {}  # worker started as a rank -> when (ns)
+        # The workers' --deadpool-progress-timeout (0: derived), for a worker stopped before
+        # it made its progress record (`views`).
+        self.progress_timeout_s = progress_timeout_s
         self.reported: set[str] = set()
         self._kills_seen = 0
         self._kill_at: dict[str, float] = {}
@@ -126,6 +130,8 @@ class LocalWorkers:
         except OSError:
             pass
         self.procs[worker] = proc
+        if rank is not None:
+            self._ranked[worker] = progress.now_ns()
 
     def poll(self) -> None:
         """Report new exits at once; every REPORT_S, progress (the host's report); every
@@ -230,9 +236,14 @@ class LocalWorkers:
             if proc.poll() is not None:
                 continue
             rec = progress.read(os.path.join(self.progress_dir, worker))
-            if rec is None:
-                continue
             state = _os_state(proc.pid)
+            if rec is None:
+                if state == STOPPED and worker in self._ranked:
+                    # Stopped before it made its record, moments after its start (chaos
+                    # soak seed 208, 0.2 s into a restarted epoch): seen all the same.
+                    out[worker] = unrecorded_view(
+                        (now - self._ranked[worker]) / 1e9, self.progress_timeout_s)
+                continue
             if rec.counter == 0 and state != STOPPED:
                 continue  # starting, or a waiting spare: nothing to judge yet
             # Stopped by a signal before its first stamp (a worker frozen while the job
@@ -326,6 +337,14 @@ def worker_view(rec: progress.Progress, now_ns: int, os_state: str) -> dict:
             "mon": (now_ns - rec.monitor_ns) / 1e9 if rec.monitor_ns else 0.0,
             "wh": rec.where, "long": rec.long_until_ns > now_ns,
             "to": rec.timeout_ns / 1e9, "itn": rec.iteration_ns / 1e9, "os": os_state}
+
+
+def unrecorded_view(since_start_s: float, timeout_s: float) -> dict:
+    """The view of a worker of generation 0 stopped by a signal before it made its progress
+    record: stalled since its start."""
+    return {"g": 0, "c": 0, "it": 0, "ph": "", "st": since_start_s, "mon": 0.0,
+            "wh": progress.NOWHERE, "long": False, "to": timeout_s, "itn": 0.0,
+            "os": STOPPED}
 
 
 def _os_state(pid: int) -> str:

@@ -7,10 +7,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import psutil
+
+NAMED_WITHIN_S = 10.0
 
 
 @contextlib.contextmanager
@@ -29,11 +32,17 @@ def signal_worker_when(log: Path, text: str, worker: str, sig: int = signal.SIGK
                 break
         else:
             return
-        for proc in psutil.process_iter(["name"]):
-            if proc.info["name"] == worker:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.send_signal(sig)
-                    hit.append(proc.pid)
+        # A worker forked moments ago may not bear its name yet (launch/preload_server.py
+        # names it just before its script runs): looked for until it does.
+        deadline = time.monotonic() + NAMED_WITHIN_S
+        while not hit and not done.is_set() and time.monotonic() < deadline:
+            for proc in psutil.process_iter(["name"]):
+                if proc.info["name"] == worker:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        proc.send_signal(sig)
+                        hit.append(proc.pid)
+            if not hit:
+                time.sleep(0.01)
         if then is not None and not done.wait(then_after_s):
             then()
 
