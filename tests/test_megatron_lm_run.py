@@ -309,6 +309,29 @@ def test_a_rank_stopped_while_megatron_starts_is_found_and_replaced(
 
 
 @pytest.mark.fault_matrix
+def test_a_node_lost_while_megatron_builds_is_rebuilt_with_a_spare_that_built_alone(
+        plain, tmp_path: Path) -> None:
+    """Megatron's loop, as test_real_failures.py's test of our loop: rank 2 is killed while
+    the job builds, its spare builds rank 2 alone, and the rest of its node (ranks 0, 1,
+    3) is killed as that generation is declared. Every rank builds afresh (pretrain()
+    entered again, the spare's build alone discarded) and the run ends bit-exact,
+    hot-swapped (chaos soak seed 215)."""
+    launch = tmp_path / "launch"
+    launcher, w0_log = launch / "launcher.log", launch / "workers" / "epoch0" / "w0.log"
+    with signal_worker_when(w0_log, "Unable to save MockGPTDataset", "w2") as first, \
+            signal_worker_when(launcher, "ranks [2] failed; spares", "w0") as w0, \
+            signal_worker_when(launcher, "ranks [2] failed; spares", "w1") as w1, \
+            signal_worker_when(launcher, "ranks [2] failed; spares", "w3") as w3:
+        job, events = _hot_swap(tmp_path, MEGATRON_GPT, [], spares=4)
+    assert first and w0 and w1 and w3, job.describe()
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared[0] == [2] and sorted(r for d in declared[1:] for r in d) == [0, 1, 3], \
+        job.describe()
+    assert {e["how"] for e in events if e["event"] == "recovered"} == {"fresh"}, job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_kills_at_every_point_of_megatrons_iteration_are_hot_swapped(
         patched_tree: Path, plain, tmp_path: Path) -> None:
     """Four kills in Megatron's own loop, one an iteration: in the first iteration's

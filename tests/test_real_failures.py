@@ -234,6 +234,35 @@ def test_a_rank_stopped_as_its_epoch_starts_is_found_with_the_default_timeout(
 
 
 @pytest.mark.fault_matrix
+def test_a_node_lost_while_the_job_builds_is_rebuilt_with_a_spare_that_built_alone(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 2 is killed while the job builds (before any snapshot): its spare builds rank
+    2 alone for generation 1. The rest of its node (ranks 0, 1, 3) is killed as that
+    generation is declared, so it breaks before the spare restored anything. The spare
+    holds no snapshot and no usable state, every other rank is at the start: every rank
+    builds afresh and the run ends bit-exact, hot-swapped. Before, the spare's report
+    (built, not a bare spare's) made the plan 'no snapshot iteration is held by every
+    survivor', every rank left with it, and the job ended as if its configuration failed
+    (chaos soak seed 215: a node lost as a restarted epoch began)."""
+    # Rank 0 logs its datasets' build (the other ranks log nothing yet).
+    launcher, w0_log = tmp_path / "launcher.log", tmp_path / "workers" / "epoch0" / "w0.log"
+    with signal_worker_when(w0_log, "Unable to save MockGPTDataset", "w2") as first, \
+            signal_worker_when(launcher, "ranks [2] failed; spares", "w0") as w0, \
+            signal_worker_when(launcher, "ranks [2] failed; spares", "w1") as w1, \
+            signal_worker_when(launcher, "ranks [2] failed; spares", "w3") as w3:
+        run, events = _launch(tmp_path, spares=4)
+    assert first and w0 and w1 and w3, run.describe()
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "no snapshot iteration is held" not in run.output, run.describe()
+    assert "restarting all" not in run.output, run.describe()
+    declared = _declared(events)
+    assert declared[0] == [2] and sorted(r for d in declared[1:] for r in d) == [0, 1, 3], \
+        run.describe()
+    built = [e for e in events if e["event"] == "recovered"]
+    assert built and {e["how"] for e in built} == {"fresh"}, built
+
+
+@pytest.mark.fault_matrix
 def test_a_frozen_host_declared_lost_cannot_rejoin(tmp_path: Path,
                                                    failure_free_8: JobResult) -> None:
     """Host 1 (ranks 4-7, launcher included) is frozen mid-run, as by a partition; host 0

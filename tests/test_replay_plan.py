@@ -125,6 +125,24 @@ def test_before_the_start_snapshot_committed_the_start_is_rebuilt() -> None:
         plan_recovery(reports, {5}, BUDDY, REPLICA, N)
 
 
+def test_spares_whose_generation_broke_before_they_restored_take_part_in_a_fresh_start() -> None:
+    """A restarted job (loaded at iteration 12) loses its whole first node before its
+    first snapshot: spares take ranks 2 (generation 1), then 0, 1 and 3 (generation 2).
+    Rank 2's spare built its objects alone for generation 1, which broke before it
+    restored anything: it holds no snapshot and no usable state, as a fresh spare does,
+    and every other rank is at the job's start, so every rank builds afresh. Before, its
+    report (built, so not the bare spare's) ended hot-swap: 'no snapshot iteration is held
+    by every survivor' (chaos soak seed 215)."""
+    start = RankReport(own=(), ward=(), live=12, grads_intact=False, reached=12, at_start=True)
+    built_alone = RankReport(own=(), ward=(), live=None, grads_intact=False, reached=12)
+    reports = [SPARE_REPORT, SPARE_REPORT, built_alone, SPARE_REPORT, *[start] * 4]
+    plan = plan_recovery(reports, {0, 1, 3}, BUDDY, REPLICA, N)
+    assert plan.target == FRESH_START and set(plan.restore) == {"fresh"}
+    reports[2] = RankReport(own=(), ward=(11,), live=None, grads_intact=False, reached=12)
+    with pytest.raises(RecoveryImpossible):  # it holds a copy: not nothing, and no common one
+        plan_recovery(reports, {0, 1, 3}, BUDDY, REPLICA, N)
+
+
 def test_no_common_snapshot_is_refused_with_what_each_rank_holds() -> None:
     reports = killed_in_backward_of_5()
     reports[BUDDY[5]] = survivor(ward=())

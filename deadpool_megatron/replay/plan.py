@@ -101,6 +101,15 @@ def _is_int(x: Any) -> bool:
 SPARE_REPORT = RankReport(own=(), ward=(), live=None, grads_intact=False, reached=-1)
 
 
+def _holds_nothing(rep: RankReport) -> bool:
+    """No snapshot and no usable live state: a spare, or a spare that took a rank in a
+    generation broken before it restored anything (it built alone, then a newer
+    generation was declared). With every other rank at the job's start, that is a fresh
+    start (chaos soak seed 215: a whole node lost as a restarted epoch began, the spares
+    that took it were counted as holding trained state, and hot-swap ended)."""
+    return rep.live is None and not rep.own and not rep.ward
+
+
 @dataclass(frozen=True)
 class RecoveryPlan:
     target: int  # snapshot iteration every rank stands on after the restore
@@ -181,7 +190,7 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
     needs_buddy = [r in replaced or not reports[r].own for r in range(world)]
     target = choose_target(reports, needs_buddy, buddies, sources)
     survivors = [rep for r, rep in enumerate(reports) if r not in replaced]
-    if target is None and all(rep.at_start or rep == SPARE_REPORT for rep in survivors):
+    if target is None and all(rep.at_start or _holds_nothing(rep) for rep in survivors):
         return RecoveryPlan(target=FRESH_START, restore=("fresh",) * world,
                             work=tuple({} for _ in range(world)), last_iteration=FRESH_START,
                             refill_ward=(False,) * world, num_microbatches=per_iteration(1))

@@ -387,12 +387,15 @@ def fail_this_rank(member: Member, err: BaseException, details: str = "") -> int
               f"\n{details.rstrip()}" if details else "")
     running, after = member.ledger.failing_at()
     # The recovery's own verdicts are no error of the training work: no iteration, so never
-    # alike in training to another rank's (control/alike.py); an injected fault is never
-    # alike at all: it rehearses one rank's own failure.
+    # alike in training to another rank's (control/alike.py). The plan's verdict
+    # (RecoveryImpossible) is never alike at all, before the build either: every rank
+    # reaches it by construction (chaos soak seed 215: four spares' "no snapshot iteration
+    # is held..." ended the job as an error of its configuration, where the fallback
+    # restarts it). Nor is an injected fault: it rehearses one rank's own failure.
     if isinstance(err, (RecoveryImpossible, CannotContinue, NotAMember)):
         running, after = None, False
-    member.ctl.report_failure(reason[:2000], running, after=after,
-                              comparable=not isinstance(err, InjectedFault))
+    member.ctl.report_failure(reason[:2000], running, after=after, comparable=not isinstance(
+        err, (InjectedFault, RecoveryImpossible)))
     member.events.emit("rank_failed", reason=reason[:300], iteration=running,
                        between_iterations=after)
     forget_groups()
