@@ -273,7 +273,7 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
 
     prepare_megatron_import()
     with socket.create_server(("127.0.0.1", 0)) as server:
-        ctl = types.SimpleNamespace(port=1, worker="w0", wait_generation_after=lambda g: g + 1,
+        ctl = types.SimpleNamespace(port=1, worker="w0",
                                     members=lambda g: {0: "w0", 3: "s0.0"},
                                     replaced=lambda g: [3], flush_of=lambda g: None,
                                     store=None, latest_declared=lambda: g + 1)
@@ -304,7 +304,7 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
             reported: list[bool] = []
             monkeypatch.setattr(keep, "agree", lambda store, gen, rank, found, sockets,
                                 broken, superseded: reported.append(broken) or set())
-            assert recovery.leave(member, _Parks()) == g + 1
+            assert recovery.leave(member, _Parks(), g + 1) == g + 1
             assert reported == [not at_barrier]
             # The agreement's long operation outlasts its timeout: it ends with a fresh
             # stamp, never by expiring first (chaos soak seed 44: every survivor that

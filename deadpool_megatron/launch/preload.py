@@ -101,16 +101,19 @@ class Preloader:
                                    f"before {what}")
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], log_path: str, name: str,
-              own: Sequence[str], session: bool = False) -> "PreloadedProcess":
+              own: Sequence[str], session: bool = False,
+              ignore_sigterm: bool = False) -> "PreloadedProcess":
         """Fork `python -u ARGV` with `env` (whose keys in `own` may differ from the
-        launcher's environment), its output appended to log_path."""
+        launcher's environment), its output appended to log_path; `ignore_sigterm`: see
+        launch/child.py."""
         self._wait(lambda: self._ready is not None, READY_TIMEOUT_S, "readiness")
         if not self._ready:
             raise PreloadError(self.why or "not ready")
         self._seq += 1
         rid = str(self._seq)
         request = {"id": rid, "argv": list(argv), "env": env, "log": log_path,
-                   "name": name, "own": sorted(own), "session": session}
+                   "name": name, "own": sorted(own), "session": session,
+                   "ignore_sigterm": ignore_sigterm}
         try:
             os.write(self._req_w, (json.dumps(request) + "\n").encode())
         except BrokenPipeError as err:

@@ -145,6 +145,8 @@ def become_worker(request: dict[str, Any], start_env: dict[str, str]) -> None:
     and name; then its script, or, where a fork cannot be exact, the command itself."""
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
+    if request.get("ignore_sigterm"):  # until the worker installs its own (launch/child.py)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     libc = ctypes.CDLL(None, use_errno=True)
     parent = int(request["parent"])

@@ -50,7 +50,8 @@ class LocalWorkers:
     def __init__(self, cfg: LaunchConfig, cmd: Sequence[str], store: SignedStore,
                  master_port: int, ranks_per_node: int, epoch: int, log_dir: str,
                  follow_s: float = REPORT_S, preloader: Preloader | None = None,
-                 orphans: Orphans | None = None, progress_timeout_s: float = 0.0) -> None:
+                 orphans: Orphans | None = None, progress_timeout_s: float = 0.0,
+                 ignore_sigterm: bool = False) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
         self.preloader = preloader  # forks the workers, if the host has one (launch/preload.py)
         # What a dead worker leaves behind is stopped (launch/orphans.py); the launcher's
@@ -76,7 +77,9 @@ class LocalWorkers:
         self._next_control = 0.0
         self.follow_s = follow_s  # how often the kill counter is read
         self.ended: bytes | None = None  # the epoch's end, once host 0 announced it
-        self._die_with_us = die_with_parent()
+        # Under hot-swap a worker starts with SIGTERM ignored (launch/child.py).
+        self.ignore_sigterm = ignore_sigterm
+        self._die_with_us = die_with_parent(ignore_sigterm)
 
     def _env(self, worker: str, rank: int | None, slot: int) -> dict[str, str]:
         """What this worker's environment adds to the launcher's."""
@@ -112,7 +115,8 @@ class LocalWorkers:
         proc: subprocess.Popen | PreloadedProcess | None = None
         if self.preloader is not None:
             try:
-                proc = self.preloader.spawn(self.cmd[2:], env, path, worker, own)
+                proc = self.preloader.spawn(self.cmd[2:], env, path, worker, own,
+                                            ignore_sigterm=self.ignore_sigterm)
             except PreloadError as err:
                 log.warning("deadpool-launch: the preloader cannot start %s (%s): workers "
                             "start with a fresh interpreter", worker, err)
