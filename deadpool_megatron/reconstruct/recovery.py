@@ -243,10 +243,9 @@ def adopt(member: Member, state: LoopState, spare: bool) -> None:
 
 # -- leave --------------------------------------------------------------------------------
 def leave(member: Member, training: StoppableThread | None, generation: int,
-          peak: PeakRss | None = None, since: float | None = None) -> int:
+          peak: PeakRss | None = None, since: float | None = None) -> None:
     """Stop the broken generation here for `generation`, the one declared to join next
-    (waited for since `since`); returns it. `peak` is told when the training thread
-    stopped."""
+    (waited for since `since`). `peak` is told when the training thread stopped."""
     ctl = member.ctl
     laps = _Laps(since)
     flushing = ctl.flush_of(generation) is not None
@@ -295,7 +294,7 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
                   member.rank, STOP_TIMEOUT_S, where)
         member.events.emit("abort", generation=member.generation, severed=severed,
                            thread_stopped=False, lost_replica=lost_replica, laps_ms=laps.ms)
-        return generation
+        return
     if not stopped or not worker_stopped:
         where = where or "snapshot worker"
         faulthandler.dump_traceback(all_threads=True)  # every thread, into this rank's log
@@ -327,7 +326,6 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
                        thread_stopped=stopped, lost_replica=lost_replica, laps_ms=laps.ms,
                        kept_groups=[[key[0], list(key[1])] for key in member.groups.kept])
     member.events.emit("left_generation", generation=member.generation, next=generation)
-    return generation
 
 
 def _at_barrier(member: Member) -> bool:
@@ -720,7 +718,7 @@ def recover(member: Member, training: StoppableThread | None, rebuild: Callable[
     failure was seen at `t0`)."""
     peak = PeakRss()
     peak.start()
-    generation = leave(member, training, generation, peak=peak, since=t0)
+    leave(member, training, generation, peak=peak, since=t0)
     flush_if_asked(member, generation)
     return enter(member, generation, t0, rebuild, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})

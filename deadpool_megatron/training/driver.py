@@ -73,9 +73,10 @@ def leave_sigterm_to_the_launcher() -> None:
     (datasets, model), where a SIGTERM would otherwise kill the worker. Only the main
     thread may install a handler: from another thread it says so and leaves torch's."""
     if threading.current_thread() is not threading.main_thread():
-        log.warning("SIGTERM not left to deadpool-launch: the worker was started off the main "
-                    "thread (%s), so a scheduler's SIGTERM ends it at once",
-                    threading.current_thread().name)
+        log.warning("SIGTERM handler not installed: the worker was started off the main "
+                    "thread (%s); it keeps the disposition it started with (deadpool-launch "
+                    "starts its workers ignoring SIGTERM; started otherwise, a SIGTERM ends "
+                    "it at once)", threading.current_thread().name)
         return
     signal.signal(signal.SIGTERM, lambda *_: log.warning(
         "SIGTERM: left to deadpool-launch, which flushes the newest snapshots and stops"))
@@ -268,7 +269,7 @@ class _Driver:
                 if not isinstance(again, Exception) or not caused_by_a_peer(again):
                     exit_now(fail_this_rank(member, again, traceback.format_exc()))
                 err = again_of = without_frames(again)
-                after = max(after, member.generation, target if target is not None else after)
+                after = max(member.generation, target if target is not None else after)
 
     def _declared_after(self, after: int, again_of: BaseException | None) -> int:
         """The newest generation declared after `after`. Waiting past the generation that a
