@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from deadpool_megatron.config import ConfigError, flag
+from deadpool_megatron.control.progress import BEFORE_FIRST_ITERATION_S
 
 
 @dataclass
@@ -75,7 +76,16 @@ class DeadPoolConfig:
         metadata=flag("Seconds a rank may make no progress (outside a declared long operation, "
                       "such as a durable save) before it counts as stalled; of the stalled "
                       "ranks, the culprit is replaced. Default: 10 x the longest iteration "
-                      "seen, at least 20 s (300 s until an iteration completed)."),
+                      "seen, at least 20 s (--deadpool-startup-timeout until an iteration "
+                      "completed)."),
+    )
+    deadpool_startup_timeout: float = field(
+        default=BEFORE_FIRST_ITERATION_S,
+        metadata=flag("Seconds a rank may make no progress before its first iteration "
+                      "(imports, building the model, optimizer and data; a spare building a "
+                      "failed rank's objects alone) before it counts as stalled; of the "
+                      "stalled ranks, the culprit is replaced. Lower it where builds are "
+                      "quick, so that a rank hung while it builds is found sooner."),
     )
     deadpool_audit_groups: bool = field(
         default=False,
@@ -119,6 +129,9 @@ class DeadPoolConfig:
         if self.deadpool_progress_timeout is not None and self.deadpool_progress_timeout <= 0:
             raise ConfigError("--deadpool-progress-timeout must be positive (or left out for "
                               "the default derived from the iteration time)")
+        if self.deadpool_startup_timeout <= 0:
+            raise ConfigError("--deadpool-startup-timeout must be positive, got "
+                              f"{self.deadpool_startup_timeout}")
         # Placement errors (single node, ranks per node not dividing) come from topology.
         from deadpool_megatron.faults.spec import parse_fault
         from deadpool_megatron.topology import buddy_map

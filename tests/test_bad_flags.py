@@ -28,6 +28,8 @@ def _run(args: list[str], world: int) -> subprocess.CompletedProcess:
         ([], 1, "pass --mock-data or --data-path"),
         (["--mock-data", "--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--mock-data", "--micro-batch-size", "0"], 1, "--micro-batch-size must be positive"),
+        (["--mock-data", "--deadpool", "--deadpool-startup-timeout", "0"], 1,
+         "--deadpool-startup-timeout must be positive"),
     ],
 )
 def test_bad_flag_is_named(args: list[str], world: int, expected: str) -> None:

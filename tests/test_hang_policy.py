@@ -118,6 +118,19 @@ def test_before_the_first_iteration_a_stopped_process_gets_the_floor_not_the_all
     assert hang_timeout(0.0, 4.0, stopped=True) == hang_timeout(0.0, 4.0) == 40.0
 
 
+def test_the_start_up_allowance_is_the_configured_startup_timeout() -> None:
+    """--deadpool-startup-timeout replaces the 300 s before the first iteration (a rank hung
+    while it builds found sooner where builds are quick); a stopped process still gets the
+    floor, or the allowance where that is shorter; after an iteration it no longer counts."""
+    from deadpool_megatron.control.hang import FLOOR_S, hang_timeout
+
+    assert hang_timeout(0.0, 0.0, startup_s=45.0) == 45.0
+    assert hang_timeout(0.0, 0.0, stopped=True, startup_s=45.0) == FLOOR_S
+    assert hang_timeout(0.0, 0.0, stopped=True, startup_s=8.0) == 8.0
+    assert hang_timeout(3.0, 0.0, startup_s=45.0) == 3.0
+    assert hang_timeout(0.0, 4.0, startup_s=8.0) == 40.0
+
+
 def test_a_worker_stopped_before_it_made_its_progress_record_is_reported(tmp_path) -> None:
     """Its host sees a worker started as a rank, stopped by a signal, with no progress
     record yet (stopped moments after its start): it reports it, stalled since its start,
@@ -132,7 +145,8 @@ def test_a_worker_stopped_before_it_made_its_progress_record_is_reported(tmp_pat
     from deadpool_megatron.launch.workers import LocalWorkers
 
     workers = LocalWorkers(LaunchConfig(), ["python"], store=None, master_port=0,
-                           ranks_per_node=1, epoch=0, log_dir=str(tmp_path))
+                           ranks_per_node=1, epoch=0, log_dir=str(tmp_path),
+                           startup_timeout_s=60.0)
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         for proc in procs:
@@ -146,7 +160,8 @@ def test_a_worker_stopped_before_it_made_its_progress_record_is_reported(tmp_pat
         assert list(views) == ["w0"], views
         v = views["w0"]
         assert v["os"] == "T" and v["c"] == 0 and v["g"] == 0 and v["st"] >= 25, v
-        timeout = hang_timeout(v["to"], v["itn"], stopped=True)
+        assert v["su"] == 60.0, v
+        timeout = hang_timeout(v["to"], v["itn"], stopped=True, startup_s=v["su"])
         assert timeout == FLOOR_S
         verdict = find_hung([_view("w1", 25.0), WorkerView(
             worker="w0", generation=0, counter=0, stalled_s=v["st"], timeout_s=timeout,

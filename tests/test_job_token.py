@@ -246,7 +246,8 @@ def test_the_coordinator_guesses_no_hung_rank_while_a_member_builds(tmp_path: Pa
 
     def view(counter: int) -> dict:
         return {"g": 0, "c": counter, "it": 3, "ph": "recovery", "st": 9.0, "mon": 0.1,
-                "wh": 2, "long": False, "to": 3.0, "itn": 0.3, "os": "S"}
+                "wh": 2, "long": False, "to": 3.0, "itn": 0.3, "os": "S",
+                "su": 300.0}
 
     stalled = {"w0": view(90), "w1": view(95)}
     start = time.monotonic()

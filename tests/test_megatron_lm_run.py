@@ -421,6 +421,28 @@ def test_a_spare_frozen_while_it_builds_is_found_and_replaced(plain, tmp_path: P
 
 
 @pytest.mark.fault_matrix
+def test_a_spare_hung_while_it_builds_in_megatrons_loop_is_found_at_the_startup_timeout(
+        plain, tmp_path: Path) -> None:
+    """As test_real_failures' test of the same name, in Megatron's loop: the spare taking
+    rank 1 blocks forever in GPTModel's constructor inside Megatron's start-up, run alone.
+    The monitor looks at the building thread, so at --deadpool-startup-timeout it is found
+    blocked outside any collective (before, it was 'nowhere': never a certain culprit, and
+    only the 300 s allowance ended its build); the second spare takes rank 1 and the run
+    ends bit-exact."""
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=1 iter=2 phase=backward"],
+                            spares=2, extra=["--deadpool-startup-timeout", "20"],
+                            env={MEGATRON_FAULT: "block worker=s0.0 at=build"})
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert "test fault: block in build" in job.output, job.describe()
+    verdicts = [(e["culprits"], e["certain"], e["why"]) for e in events
+                if e["event"] == "hang_localized"]
+    assert verdicts == [(["s0.0"], True, {"s0.0": "blocked outside any collective"})], \
+        job.describe()
+    assert [r for e in events if e["event"] == "generation_declared"
+            for r in e["failed_ranks"]] == [1, 1], job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_kill_inside_a_gloo_creation_in_megatrons_loop_leaves_no_peer_waiting(
         plain, tmp_path: Path) -> None:
     """As test_real_failures' test of the same name, in Megatron's loop: rank 3 is killed

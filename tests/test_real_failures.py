@@ -263,6 +263,25 @@ def test_a_node_lost_while_the_job_builds_is_rebuilt_with_a_spare_that_built_alo
 
 
 @pytest.mark.fault_matrix
+def test_a_spare_hung_while_it_builds_alone_is_found_at_the_startup_timeout(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 1 is killed in iteration 2; the spare taking it, s0.0, blocks forever in
+    GPTModel's constructor as it builds rank 1 alone (a hang, not a stop: its process runs
+    and its monitor answers). With --deadpool-startup-timeout 10 its build is found hung
+    after 10 s, not the 300 s start-up allowance: the second spare takes rank 1, no
+    survivor waiting for it is taken for hung, and the run ends bit-exact."""
+    run, events = _launch(tmp_path, ["--deadpool-inject", "kill rank=1 iter=2 phase=backward",
+                                     "--deadpool-startup-timeout", "10"],
+                          env={MEGATRON_FAULT: "block worker=s0.0 at=build"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "test fault: block in build" in run.output, run.describe()
+    verdicts = [(e["culprits"], e["certain"]) for e in events
+                if e["event"] == "hang_localized"]
+    assert verdicts == [(["s0.0"], True)], run.describe()
+    assert _declared(events) == [[1], [1]], run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_frozen_host_declared_lost_cannot_rejoin(tmp_path: Path,
                                                    failure_free_8: JobResult) -> None:
     """Host 1 (ranks 4-7, launcher included) is frozen mid-run, as by a partition; host 0

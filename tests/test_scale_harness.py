@@ -429,7 +429,8 @@ def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
     def view(st: float = 0.01, os_state: str = "S", mon: float = 0.02,
              long_: bool = False) -> dict:
         return {"g": 2, "c": 10, "it": 7, "ph": "forward", "st": st, "mon": mon, "wh": 1,
-                "long": long_, "to": 20.0, "itn": 1.0, "os": os_state}
+                "long": long_, "to": 20.0, "itn": 1.0, "os": os_state,
+                "su": 300.0}
 
     views = {"w0": view(), "w1": view(st=11.0), "w2": view(os_state="T"),
              "w3": view(mon=5.0), "w4": view(st=9.0), "w5": view(st=30.0, long_=True),

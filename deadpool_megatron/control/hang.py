@@ -31,24 +31,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deadpool_megatron.control.progress import IN_COLLECTIVE, NOWHERE, RUNNING
+from deadpool_megatron.control.progress import (BEFORE_FIRST_ITERATION_S, IN_COLLECTIVE,
+                                                NOWHERE, RUNNING)
 
 FLOOR_S = 20.0  # the derived timeout is never shorter
 ITERATIONS = 10.0  # ... nor shorter than this many of the longest iteration seen
-BEFORE_FIRST_ITERATION_S = 300.0  # until one iteration completed (imports, first build)
 MONITOR_STALE_S = 2.0  # a monitor silent this long: the process cannot run Python
 STOPPED = "T"  # /proc state of a stopped process (SIGSTOP, a debugger)
 
 
-def hang_timeout(configured_s: float, iteration_s: float, stopped: bool = False) -> float:
+def hang_timeout(configured_s: float, iteration_s: float, stopped: bool = False,
+                 startup_s: float = BEFORE_FIRST_ITERATION_S) -> float:
     """--deadpool-progress-timeout if given (>0), else derived from the iteration time.
-    Before the first iteration the allowance is for slow imports and a slow first build,
-    which a process stopped by a signal is not doing: it gets the floor, or its peers
-    wait out generation 0's rendezvous (120 s) for it and the epoch is lost."""
+    Before the first iteration the allowance is `startup_s` (--deadpool-startup-timeout),
+    for slow imports and a slow first build, which a process stopped by a signal is not
+    doing: it gets the floor (or less, were the allowance shorter), or its peers wait out
+    generation 0's rendezvous (120 s) for it and the epoch is lost."""
     if configured_s > 0:
         return configured_s
     if iteration_s <= 0:
-        return FLOOR_S if stopped else BEFORE_FIRST_ITERATION_S
+        return min(FLOOR_S, startup_s) if stopped else startup_s
     return max(FLOOR_S, ITERATIONS * iteration_s)
 
 

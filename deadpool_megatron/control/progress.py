@@ -7,7 +7,7 @@ loop stamps its progress at every hook point (a counter, the iteration, the phas
 monitor thread stamps where the training thread is (in a collective, or elsewhere), and
 the launcher, another process, reads both: no GIL of the worker's can delay it.
 
-A record is eleven 64-bit integers in a file the launcher names (tmpfs where there is one).
+A record is twelve 64-bit integers in a file the launcher names (tmpfs where there is one).
 Both sides map it and move each field with one aligned 8-byte store or load (a memoryview
 of 'q'), so a field is read as it was last written, never half of it: `struct.pack_into`
 zero-fills its target before it writes the bytes, and a launcher reading in between took a
@@ -36,7 +36,7 @@ from typing import ContextManager, Iterator, Sequence
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 
 FIELDS = ("counter", "iteration", "phase", "stamp_ns", "long_until_ns", "monitor_ns",
-          "where", "iteration_ns", "timeout_ns", "pid", "generation")
+          "where", "iteration_ns", "timeout_ns", "pid", "generation", "startup_ns")
 SIZE = 8 * len(FIELDS)
 PHASES = ("start", "forward", "microbatch", "backward", "reduction", "step", "iteration",
           "recovery", "done")
@@ -45,6 +45,9 @@ NOWHERE, RUNNING, IN_COLLECTIVE = 0, 1, 2
 COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
 ENV = "DEADPOOL_PROGRESS_FILE"
+# Before a rank's first iteration (imports, the first build, a spare's build alone), no
+# progress for this long is a hang (--deadpool-startup-timeout's default).
+BEFORE_FIRST_ITERATION_S = 300.0
 
 log = logging.getLogger("deadpool_megatron.progress")
 
@@ -67,6 +70,7 @@ class Progress:
     timeout_ns: int  # no progress for this long is a hang (0: the launcher's default)
     pid: int
     generation: int
+    startup_ns: int  # --deadpool-startup-timeout: the allowance before the first iteration
 
     @property
     def phase_name(self) -> str:
@@ -109,7 +113,8 @@ def record_of(words: Sequence[int]) -> Progress:
 class ProgressBoard:
     """The worker's side: owns its record; a hook stamps it at every point of the loop."""
 
-    def __init__(self, path: str, timeout_s: float | None) -> None:
+    def __init__(self, path: str, timeout_s: float | None,
+                 startup_s: float = BEFORE_FIRST_ITERATION_S) -> None:
         aside = f"{path}.{os.getpid()}.new"
         fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -122,16 +127,19 @@ class ProgressBoard:
         self._counter = 0
         # Stamped when made (the counter stays 0): a worker stopped by a signal before its
         # first stamp is seen stalled from here (launch/workers.py reports it).
-        self._set(pid=os.getpid(), timeout_ns=int((timeout_s or 0) * 1e9), stamp_ns=now_ns())
+        self._set(pid=os.getpid(), timeout_ns=int((timeout_s or 0) * 1e9), stamp_ns=now_ns(),
+                  startup_ns=int(startup_s * 1e9))
+        self.startup_s = startup_s
         os.rename(aside, path)  # whole, at once: a reader never maps a short file
         self.training_thread: int | None = None
         self._stop = threading.Event()
         self._save_until = 0.0  # durable_save
 
     @classmethod
-    def from_env(cls, timeout_s: float | None) -> "ProgressBoard | None":
+    def from_env(cls, timeout_s: float | None,
+                 startup_s: float = BEFORE_FIRST_ITERATION_S) -> "ProgressBoard | None":
         path = os.environ.get(ENV)
-        return cls(path, timeout_s) if path else None
+        return cls(path, timeout_s, startup_s) if path else None
 
     def _set(self, **fields: int) -> None:
         for name, value in fields.items():
@@ -205,6 +213,11 @@ class ProgressBoard:
         return _Stamps(self)
 
     # -- the monitor: where the training thread is ----------------------------------------
+    def starting_up(self) -> ContextManager[None]:
+        """A build before the first iteration (Megatron's start-up, a spare's build alone) as
+        a long operation, for --deadpool-startup-timeout."""
+        return self.long_operation(self.startup_s)
+
     def start_monitor(self, period_s: float = 0.25) -> None:
         threading.Thread(target=self._monitor, args=(period_s,), name="deadpool-monitor",
                          daemon=True).start()
@@ -256,10 +269,10 @@ class StartUp(TrainingHooks):
     iteration or by `close`: a loop built again in each generation stamps no progress
     while it builds, for seconds."""
 
-    def __init__(self, board: ProgressBoard | None, budget_s: float) -> None:
+    def __init__(self, board: ProgressBoard | None) -> None:
         self._operation = contextlib.ExitStack()
         if board is not None:
-            self._operation.enter_context(board.long_operation(budget_s))
+            self._operation.enter_context(board.starting_up())
 
     def on_iteration_start(self, state: LoopState) -> None:
         self.close()

@@ -40,6 +40,10 @@ that started as that rank (a spare taking the rank later is not affected):
                                         (127.0.0.1), so each of them is the side that waits
                                         to be connected (gloo: the lower address listens)
 
+    "block worker=s0.0 at=build"        the worker named s0.0 (a spare) blocks forever as it
+                                        builds a GPT model (GPTModel's constructor): a spare
+                                        hung while it builds the failed rank's objects alone
+
 `call=N` fires at the Nth call of the patched function in this process (1-based), so a
 test picks the iteration and micro-batch: TransformerLayer.forward runs once per layer of
 the stage per micro-batch. `iter=N` instead makes it a fault of the work, not of a process:
@@ -72,22 +76,23 @@ ERRORS = {"illegal": CUDA_ERROR, "ecc": ECC_ERROR}  # error=...: what `raise` ra
 class MegatronFault:
     action: str  # raise, nan, kill, block, gil, stop, sleep
     ranks: tuple[int, ...]  # (ALL,): every rank
-    at: str  # forward, backward, save, gloo
+    at: str  # forward, backward, save, gloo, build
     call: int = 1
     seconds: float = 0.0
     iteration: int = 0  # a fault of the work: fires in iteration N in the rank's holder
     error: str = ""  # a key of ERRORS; "": the place's own (ENOSPC in a save, else illegal)
+    worker: str = ""  # instead of ranks: the worker of this name (a spare: "s0.0")
 
     @classmethod
     def parse(cls, text: str) -> "MegatronFault":
         words = text.split()
         fields = dict(w.split("=", 1) for w in words[1:])
-        ranks = tuple(int(r) for r in fields["rank"].split(",")) \
-            if fields["rank"] != "all" else (ALL,)
+        given = fields.get("rank", "")
+        ranks = (ALL,) if given == "all" else tuple(int(r) for r in given.split(",") if r)
         return cls(action=words[0], ranks=ranks,
                    at=fields["at"], call=int(fields.get("call", 1)),
                    seconds=float(fields.get("seconds", 0)), iteration=int(fields.get("iter", 0)),
-                   error=fields.get("error", ""))
+                   error=fields.get("error", ""), worker=fields.get("worker", ""))
 
     def __post_init__(self) -> None:
         if self.error and self.error not in ERRORS:
@@ -107,8 +112,10 @@ class MegatronFault:
         return self.names(dist.get_rank()) and \
             get_args().curr_iteration + 1 == self.iteration
 
-    def mine(self, rank: int | None) -> bool:
-        """Whether the worker that started as `rank` (None: a spare) is patched."""
+    def mine(self, rank: int | None, worker: str = "") -> bool:
+        """Whether the worker `worker`, started as `rank` (None: a spare), is patched."""
+        if self.worker:
+            return worker == self.worker
         return bool(self.iteration) or (rank is not None and self.names(rank))
 
 
@@ -222,13 +229,15 @@ def _killed_publishing(fault: MegatronFault) -> None:
 
 def install_from_env() -> MegatronFault | None:
     """Patch Megatron-Core as DEADPOOL_TEST_MEGATRON_FAULT says, in the worker that started
-    as the named rank (with iter=: in every worker); returns the fault, or None."""
+    as the named rank (with iter=: in every worker; with worker=: in the one so named);
+    returns the fault, or None."""
     text = os.environ.get(ENV)
     if not text or os.environ.get("DEADPOOL_EPOCH", "0") != "0":
         return None
     fault = MegatronFault.parse(text)
     rank = os.environ.get("RANK")
-    if not fault.mine(None if rank is None else int(rank)):
+    if not fault.mine(None if rank is None else int(rank),
+                      os.environ.get("DEADPOOL_WORKER_ID", "")):
         return None
     if fault.at == "forward":
         from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -240,6 +249,10 @@ def install_from_env() -> MegatronFault | None:
         )
 
         Linear.backward = staticmethod(_failing(fault, Linear.backward))
+    elif fault.at == "build":
+        from megatron.core.models.gpt import GPTModel
+
+        GPTModel.__init__ = _failing(fault, GPTModel.__init__)
     elif fault.at == "gloo":
         _killed_publishing(fault)
     elif fault.at == "save":

@@ -213,7 +213,7 @@ class HotSwapPretrain:
         cfg, ft = train_config(margs), deadpool_config(margs)
         world = int(os.environ["WORLD_SIZE"])
         ft.validate(world)
-        progress = _progress_board(ft.deadpool_progress_timeout)
+        progress = _progress_board(ft)
         from deadpool_megatron.integration.device import ProcessDevice
 
         device = ProcessDevice.choose(cfg.distributed_backend)
@@ -321,7 +321,6 @@ class MegatronLmLoop:
         between generations (MegatronSession)."""
         import megatron.training.training as training
 
-        from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
         from deadpool_megatron.control.progress import StartUp
         from deadpool_megatron.integration.megatron_ft_setup import on_parsed_arguments
 
@@ -332,7 +331,7 @@ class MegatronLmLoop:
         margs.rank = member.rank
         if thread.spare:  # its state comes from its buddy: no checkpoint to read alone
             margs.load = None
-        startup = StartUp(member.progress, BEFORE_FIRST_ITERATION_S)
+        startup = StartUp(member.progress)
         hot_swap = live.session(MegatronSession(member, thread, startup))
         saves = megatron_saves_declared(member.progress.durable_save) \
             if member.progress is not None else contextlib.nullcontext()
@@ -490,13 +489,13 @@ def _rehearsal_groups_if_cpu(margs: argparse.Namespace) -> Any:
         yield
 
 
-def _progress_board(timeout_s: float | None) -> Any:
+def _progress_board(ft: DeadPoolConfig) -> Any:
     """What this worker's launcher reads of its progress (control/progress.py), with its
     monitor running, as in our own pretrain_gpt.py (training/main._run_elastic); None
     outside deadpool-launch."""
     from deadpool_megatron.control.progress import ProgressBoard
 
-    board = ProgressBoard.from_env(timeout_s)
+    board = ProgressBoard.from_env(ft.deadpool_progress_timeout, ft.deadpool_startup_timeout)
     if board is not None:
         board.start_monitor()
     return board

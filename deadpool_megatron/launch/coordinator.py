@@ -326,7 +326,8 @@ class Coordinator:
                             worker=worker, generation=int(v["g"]), counter=int(v["c"]),
                             stalled_s=self._stalled_s(v, now),
                             timeout_s=hang_timeout(float(v["to"]), float(v["itn"]),
-                                                   stopped=str(v["os"]) == OS_STOPPED),
+                                                   stopped=str(v["os"]) == OS_STOPPED,
+                                                   startup_s=float(v["su"])),
                             monitor_age_s=float(v["mon"]), where=int(v["wh"]),
                             long_operation=bool(v["long"]), os_state=str(v["os"]),
                             phase=str(v["ph"])))

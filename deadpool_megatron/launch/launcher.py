@@ -110,7 +110,9 @@ class Launcher:
                             self.ranks_per_node, epoch, self.console.open_epoch(epoch),
                             preloader=self.preloader, orphans=self.orphans,
                             progress_timeout_s=self.worker_ft.deadpool_progress_timeout
-                            or 0.0, ignore_sigterm=self.hot_swap)
+                            or 0.0,
+                            startup_timeout_s=self.worker_ft.deadpool_startup_timeout,
+                            ignore_sigterm=self.hot_swap)
 
     def _worker_port(self, epoch: int) -> int:
         """The store port the workers rendezvous on. With --deadpool, the control plane's

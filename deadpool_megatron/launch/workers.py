@@ -51,6 +51,7 @@ class LocalWorkers:
                  master_port: int, ranks_per_node: int, epoch: int, log_dir: str,
                  follow_s: float = REPORT_S, preloader: Preloader | None = None,
                  orphans: Orphans | None = None, progress_timeout_s: float = 0.0,
+                 startup_timeout_s: float = progress.BEFORE_FIRST_ITERATION_S,
                  ignore_sigterm: bool = False) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
         self.preloader = preloader  # forks the workers, if the host has one (launch/preload.py)
@@ -63,9 +64,10 @@ class LocalWorkers:
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
         self.procs: dict[str, subprocess.Popen | PreloadedProcess] = {}
         self._ranked: dict[str, int] = {}  # worker started as a rank -> when (ns)
-        # The workers' --deadpool-progress-timeout (0: derived), for a worker stopped before
-        # it made its progress record (`views`).
+        # The workers' --deadpool-progress-timeout (0: derived) and --deadpool-startup-
+        # timeout, for a worker stopped before it made its progress record (`views`).
         self.progress_timeout_s = progress_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.reported: set[str] = set()
         self._kills_seen = 0
         self._kill_at: dict[str, float] = {}
@@ -246,7 +248,8 @@ class LocalWorkers:
                     # Stopped before it made its record, moments after its start (chaos
                     # soak seed 208, 0.2 s into a restarted epoch): seen all the same.
                     out[worker] = unrecorded_view(
-                        (now - self._ranked[worker]) / 1e9, self.progress_timeout_s)
+                        (now - self._ranked[worker]) / 1e9, self.progress_timeout_s,
+                        self.startup_timeout_s)
                 continue
             if rec.counter == 0 and state != STOPPED:
                 continue  # starting, or a waiting spare: nothing to judge yet
@@ -330,7 +333,7 @@ def _suspect(view: dict) -> bool:
         # here, a rank stopped inside a durable save (budget 1,800 s) went unseen while
         # every other rank waited for it in the save (chaos soak seed 108 with --save).
         return False
-    stalled = view["st"] > hang_timeout(view["to"], view["itn"]) / 2
+    stalled = view["st"] > hang_timeout(view["to"], view["itn"], startup_s=view["su"]) / 2
     return stalled or view["os"] == STOPPED or view["mon"] > MONITOR_STALE_S
 
 
@@ -340,15 +343,16 @@ def worker_view(rec: progress.Progress, now_ns: int, os_state: str) -> dict:
             "ph": rec.phase_name, "st": (now_ns - rec.stamp_ns) / 1e9,
             "mon": (now_ns - rec.monitor_ns) / 1e9 if rec.monitor_ns else 0.0,
             "wh": rec.where, "long": rec.long_until_ns > now_ns,
-            "to": rec.timeout_ns / 1e9, "itn": rec.iteration_ns / 1e9, "os": os_state}
+            "to": rec.timeout_ns / 1e9, "itn": rec.iteration_ns / 1e9, "os": os_state,
+            "su": rec.startup_ns / 1e9}
 
 
-def unrecorded_view(since_start_s: float, timeout_s: float) -> dict:
+def unrecorded_view(since_start_s: float, timeout_s: float, startup_s: float) -> dict:
     """The view of a worker of generation 0 stopped by a signal before it made its progress
     record: stalled since its start."""
     return {"g": 0, "c": 0, "it": 0, "ph": "", "st": since_start_s, "mon": 0.0,
             "wh": progress.NOWHERE, "long": False, "to": timeout_s, "itn": 0.0,
-            "os": STOPPED}
+            "os": STOPPED, "su": startup_s}
 
 
 def _os_state(pid: int) -> str:

@@ -89,7 +89,8 @@ class SimHost:
                 counter=1 + 12 * it, iteration=it, phase=progress.PHASES.index("forward"),
                 stamp_ns=now - 5_000_000, long_until_ns=0, monitor_ns=now - 20_000_000,
                 where=progress.RUNNING, iteration_ns=int(ITERATION_S * 1e9), timeout_ns=0,
-                pid=1, generation=0)
+                pid=1, generation=0,
+                startup_ns=int(progress.BEFORE_FIRST_ITERATION_S * 1e9))
             out[worker] = worker_view(rec, now, "S")
         self._views = ((it, len(self.exited)), out)
         return out

@@ -183,12 +183,26 @@ class _Driver:
         self.thread = TrainingThread(partial(self.loop.body, self.member), self.context,
                                      spare=spare)
         self.thread.start()
-        stopped = self.thread.wait(threading.Event())
+        with self._building(self.thread):
+            stopped = self.thread.wait(threading.Event())
         if stopped is None or stopped.error is not None or self.thread.state is None:
             raise RuntimeError(f"rank {self.member.rank}: the training loop ended before its "
                                f"objects were built")
         adopt(self.member, self.thread.state, spare)
         return self.thread.state
+
+    def _building(self, thread: TrainingThread) -> ContextManager[None]:
+        """A build as the progress board shows it: a long operation of the start-up's budget
+        (--deadpool-startup-timeout), with the monitor looking at the building thread. Not
+        watched, a rank hung in its build was 'nowhere', never a certain culprit: a spare
+        blocked as it built alone went unfound while the survivors waiting for it crossed
+        their timeouts, and one of them could be guessed hung instead."""
+        board = self.member.progress
+        stack = contextlib.ExitStack()
+        if board is not None:
+            stack.enter_context(board.starting_up())
+            stack.enter_context(board.watching(thread.ident or 0))
+        return stack
 
     def _build_together(self) -> None:
         """Every rank builds its objects, as at the job's start (seeded initialisation, or
@@ -209,8 +223,6 @@ class _Driver:
         from deadpool_megatron.reconstruct.groups import REBUILD_TIMEOUT_S
         from deadpool_megatron.reconstruct.spare import local_world
 
-        from deadpool_megatron.control.hang import BEFORE_FIRST_ITERATION_S
-
         member = self.member
         timeout = timedelta(seconds=REBUILD_TIMEOUT_S)
         # Seen by the hang analysis from its assignment on, its build a long operation:
@@ -218,8 +230,8 @@ class _Driver:
         # built was never found: the survivors waiting for it were guessed hung instead,
         # each taking a spare (chaos soak seed 192).
         member.stamp("recovery")
-        building = member.progress.long_operation(BEFORE_FIRST_ITERATION_S) \
-            if member.progress is not None else contextlib.nullcontext()
+        building = member.progress.starting_up() if member.progress is not None \
+            else contextlib.nullcontext()
         with building, local_world(member.rank, member.world), \
                 self.loop.groups_patched(timeout):
             self.loop.make_groups(timeout)

@@ -104,7 +104,7 @@ def _run_elastic(cfg: TrainConfig, ft: DeadPoolConfig, ctl, cpu_rehearsal: bool,
     from deadpool_megatron.integration.data import build_train_dataset
     from deadpool_megatron.training.elastic import run_elastic
 
-    progress = ProgressBoard.from_env(ft.deadpool_progress_timeout)
+    progress = ProgressBoard.from_env(ft.deadpool_progress_timeout, ft.deadpool_startup_timeout)
     if progress is not None:
         progress.start_monitor()
     dataset = build_train_dataset(cfg, cfg.train_iters * cfg.global_batch_size)
