@@ -443,6 +443,28 @@ def test_a_spare_hung_while_it_builds_in_megatrons_loop_is_found_at_the_startup_
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_hung_in_megatrons_first_build_is_found_at_the_startup_timeout(
+        plain, tmp_path: Path) -> None:
+    """As test_real_failures' test of the same name, in Megatron's loop: rank 2 blocks
+    forever in GPTModel's constructor inside pretrain()'s start-up, its peers waiting for
+    it in Megatron's collectives. Before, a worker that had stamped nothing was never
+    judged and the job waited forever; now it is found at --deadpool-startup-timeout,
+    blocked outside any collective, a spare takes rank 2, pretrain() starts again on every
+    rank and the run ends bit-exact."""
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, [], spares=1,
+                            extra=["--deadpool-startup-timeout", "20"],
+                            env={MEGATRON_FAULT: "block rank=2 at=build"})
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert "test fault: block in build" in job.output, job.describe()
+    verdicts = [(e["culprits"], e["certain"], e["why"]) for e in events
+                if e["event"] == "hang_localized"]
+    assert verdicts == [(["w2"], True, {"w2": "blocked outside any collective"})], \
+        job.describe()
+    assert [e["failed_ranks"] for e in events if e["event"] == "generation_declared"] == \
+        [[2]], job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_kill_inside_a_gloo_creation_in_megatrons_loop_leaves_no_peer_waiting(
         plain, tmp_path: Path) -> None:
     """As test_real_failures' test of the same name, in Megatron's loop: rank 3 is killed

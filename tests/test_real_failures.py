@@ -282,6 +282,25 @@ def test_a_spare_hung_while_it_builds_alone_is_found_at_the_startup_timeout(
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_hung_in_its_first_build_is_found_at_the_startup_timeout(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 2 blocks forever in GPTModel's constructor as the job builds (no iteration, no
+    snapshot yet); its peers, built, wait for it in the first iteration's collectives. At
+    --deadpool-startup-timeout it is found blocked outside any collective (the peers are
+    its victims, not guessed), a spare takes rank 2, every rank builds afresh and the run
+    ends bit-exact."""
+    run, events = _launch(tmp_path, ["--deadpool-startup-timeout", "10"], spares=1,
+                          env={MEGATRON_FAULT: "block rank=2 at=build"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "test fault: block in build" in run.output, run.describe()
+    verdicts = [(e["culprits"], e["certain"], e["why"]) for e in events
+                if e["event"] == "hang_localized"]
+    assert verdicts == [(["w2"], True, {"w2": "blocked outside any collective"})], \
+        run.describe()
+    assert _declared(events) == [[2]], run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_frozen_host_declared_lost_cannot_rejoin(tmp_path: Path,
                                                    failure_free_8: JobResult) -> None:
     """Host 1 (ranks 4-7, launcher included) is frozen mid-run, as by a partition; host 0

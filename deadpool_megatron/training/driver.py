@@ -196,10 +196,14 @@ class _Driver:
         (--deadpool-startup-timeout), with the monitor looking at the building thread. Not
         watched, a rank hung in its build was 'nowhere', never a certain culprit: a spare
         blocked as it built alone went unfound while the survivors waiting for it crossed
-        their timeouts, and one of them could be guessed hung instead."""
+        their timeouts, and one of them could be guessed hung instead; unstamped, a rank
+        blocked in the job's first build was never judged at all."""
         board = self.member.progress
         stack = contextlib.ExitStack()
         if board is not None:
+            # A first stamp: a worker that has stamped nothing is not judged (it may still
+            # be importing), and a rank blocked in the job's first build went unfound.
+            self.member.stamp("start")
             stack.enter_context(board.starting_up())
             stack.enter_context(board.watching(thread.ident or 0))
         return stack
