@@ -189,6 +189,11 @@ class ProgressBoard:
             self._set(stamp_ns=now_ns())
             self._set(long_until_ns=0)
 
+    def starting_up(self) -> ContextManager[None]:
+        """A build before the first iteration (every rank's, a spare's alone, Megatron's
+        start-up) as a long operation, for --deadpool-startup-timeout."""
+        return self.long_operation(self.startup_s)
+
     @contextlib.contextmanager
     def watching(self, thread_id: int) -> Iterator[None]:
         """The monitor looks at `thread_id` while inside: a recovery runs on the main thread
@@ -213,11 +218,6 @@ class ProgressBoard:
         return _Stamps(self)
 
     # -- the monitor: where the training thread is ----------------------------------------
-    def starting_up(self) -> ContextManager[None]:
-        """A build before the first iteration (Megatron's start-up, a spare's build alone) as
-        a long operation, for --deadpool-startup-timeout."""
-        return self.long_operation(self.startup_s)
-
     def start_monitor(self, period_s: float = 0.25) -> None:
         threading.Thread(target=self._monitor, args=(period_s,), name="deadpool-monitor",
                          daemon=True).start()
