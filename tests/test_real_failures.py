@@ -263,6 +263,26 @@ def test_a_node_lost_while_the_job_builds_is_rebuilt_with_a_spare_that_built_alo
 
 
 @pytest.mark.fault_matrix
+def test_a_spare_frozen_while_it_builds_alone_is_found_and_replaced(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """As test_megatron_lm_run's test_a_spare_frozen_while_it_builds_is_found_and_replaced,
+    in our loop: rank 1 is killed in iteration 2 and the spare taking it is stopped
+    (SIGSTOP) as its assignment is declared, while it builds alone. It is found frozen at
+    the 3 s progress timeout and replaced by the second spare; no survivor waiting for it
+    is taken for hung, and the run ends bit-exact."""
+    with signal_worker_when(tmp_path / "launcher.log", "spares {1: 's0.0'}", "s0.0",
+                            signal.SIGSTOP) as stopped:
+        run, events = _launch(tmp_path, ["--deadpool-inject", "kill rank=1 iter=2 phase=backward",
+                                         "--deadpool-progress-timeout", "3"])
+    assert stopped and run.ok and run.fingerprint == failure_free_8.fingerprint, \
+        run.describe()
+    verdicts = [(e["culprits"], e["certain"], e["why"]) for e in events
+                if e["event"] == "hang_localized"]
+    assert verdicts == [(["s0.0"], True, {"s0.0": "stopped by a signal"})], run.describe()
+    assert _declared(events) == [[1], [1]], run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_spare_hung_while_it_builds_alone_is_found_at_the_startup_timeout(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """Rank 1 is killed in iteration 2; the spare taking it, s0.0, blocks forever in
