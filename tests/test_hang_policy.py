@@ -171,3 +171,45 @@ def test_a_worker_stopped_before_it_made_its_progress_record_is_reported(tmp_pat
     finally:
         workers.procs = dict(enumerate(procs))
         workers.stop(timeout_s=5)  # stopped ones are killed at once; the records' directory
+
+
+def test_a_worker_missing_at_the_flush_prints_its_stacks_before_it_is_stopped(
+        tmp_path) -> None:
+    """The launcher's flush waits --flush-timeout for every member's report; those that
+    never report are asked for their stacks (SIGUSR1, faulthandler) before they are
+    stopped, so their logs say where they were. Workers already gone are skipped."""
+    import subprocess
+    import sys
+    import time
+
+    from deadpool_megatron.launch.config import LaunchConfig
+    from deadpool_megatron.launch.workers import LocalWorkers
+
+    workers = LocalWorkers(LaunchConfig(), ["python"], store=None, master_port=0,
+                           ranks_per_node=1, epoch=0, log_dir=str(tmp_path))
+    code = ("import faulthandler, signal, sys, threading\n"
+            "faulthandler.register(signal.SIGUSR1, file=sys.stdout)\n"
+            "print('ready', flush=True)\n"
+            "def blocked_at_the_flush():\n"
+            "    threading.Event().wait(60)\n"
+            "blocked_at_the_flush()\n")
+    log = tmp_path / "w7.log"
+    with log.open("w") as out:
+        blocked = subprocess.Popen([sys.executable, "-c", code], stdout=out)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        gone.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while "ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers.procs = {"w7": blocked, "w3": gone}
+        assert workers.dump_stacks(["w7", "w3", "w9"]) == ["w7"]
+        deadline = time.monotonic() + 10
+        while "blocked_at_the_flush" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "blocked_at_the_flush" in log.read_text(), log.read_text()
+    finally:
+        blocked.kill()
+        blocked.wait(timeout=30)
+        workers.procs = {}
+        workers.stop(timeout_s=5)

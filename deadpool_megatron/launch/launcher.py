@@ -274,6 +274,11 @@ class Launcher:
                 break
             self._tick()
         missing = [w for w in expected if not coordinator.flushed_or_gone(w)]
+        dumped = workers.dump_stacks(missing)  # where each was, in its log
+        if dumped:
+            log.error("deadpool-launch: workers %s did not report at the flush within "
+                      "--flush-timeout (%.0f s); their stacks are in their logs", dumped,
+                      self.cfg.flush_timeout)
         before = flush.latest(self.save_dir)
         iteration = flush.commit(self.save_dir, self.cfg.world_size)
         seconds = time.monotonic() - t0

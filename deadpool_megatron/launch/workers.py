@@ -193,6 +193,16 @@ class LocalWorkers:
                     self._kill_at[worker] = time.monotonic() + DUMP_BEFORE_KILL_S
             self._injected_signals()
 
+    def dump_stacks(self, names: Sequence[str]) -> list[str]:
+        """Have these live workers of this host print every thread's stack into their logs
+        (faulthandler's SIGUSR1); the ones signalled."""
+        signalled = [w for w in names if w in self.procs and self.procs[w].poll() is None]
+        for worker in signalled:
+            self.procs[worker].send_signal(signal.SIGUSR1)
+        if signalled:
+            time.sleep(DUMP_BEFORE_KILL_S)  # written before the caller stops them
+        return signalled
+
     def nudge_path(self, worker: str) -> str:
         return os.path.join(self.progress_dir, f"{worker}.nudge")
 
