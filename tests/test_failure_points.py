@@ -14,6 +14,7 @@ import pytest
 
 from conftest import GPT_3D_ARGS
 from recoveries import SPREAD_TOLERANCE, check_recoveries
+from deadpool_megatron.faults.megatron_faults import ENV as MEGATRON_FAULT
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.fault_matrix]
@@ -112,3 +113,35 @@ def test_spread_replay_deals_the_lost_microbatches_once(tmp_path: Path) -> None:
           f"{reference.param_norm!r}: relative difference {relative:.2e}")
     assert relative < SPREAD_TOLERANCE
     assert run.fingerprint != reference.fingerprint  # not bit-identical, as documented
+
+
+def test_a_source_killed_inside_a_replica_fetch_is_no_hang_and_no_wrong_restore(
+        tmp_path: Path, tp2_dp4_reference: str) -> None:
+    """TP2 x DP4: rank 2 is killed and its spare takes the replicated region of its shard
+    from rank 4, its data-parallel source on the other node, over a two-rank group the two
+    make alone. Rank 4 is killed inside that group's gloo creation, after publishing its
+    address (a test-only fault): the spare waits to be connected, which no cut ends.
+    - The fetch's group is made like the generation's others (reconstruct/forming.py): the
+      next declaration leaves it behind, and no rank is taken for hung (before, the spare
+      stayed in the superseded generation and was replaced as hung).
+    - The spare's own copy then lacks its replicated region, and the source that held it
+      is lost: that copy is not held (before, the next plan restored rank 2 from it, the
+      region's stale bytes, and the run ended 'ok' with a wrong model: parameter norm
+      1.4e11). Hot-swap ends saying so, and the job falls back to its durable state:
+      bit-exact."""
+    events = tmp_path / "events"
+    args = [*TP2_DP4, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+            str(events), "--deadpool-inject", "kill rank=2 iter=3 phase=backward",
+            "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    run = run_launched(["--nproc-per-node", "8", "--spares", "2", "--logical-nodes", "2"],
+                       args, tmp_path, timeout_s=500,
+                       env={**ENV, MEGATRON_FAULT: "kill rank=4 at=fetch call=1",
+                            "GLOO_SOCKET_IFNAME": "lo"})
+    found = sorted((json.loads(line) for path in events.parent.glob(events.name + ".rank*")
+                    for line in path.read_text().splitlines()), key=lambda e: e["t"])
+    assert run.ok and run.fingerprint == tp2_dp4_reference, run.describe()
+    assert "test fault: kill in a replica fetch (call 1)" in run.output, run.describe()
+    assert "the replicated bytes of ranks [2] are lost" in run.output, run.describe()
+    assert [e["failed_ranks"] for e in found if e["event"] == "generation_declared"][:2] == \
+        [[2], [4]], run.describe()
+    assert not [e for e in found if e["event"] == "hang_localized"], run.describe()

@@ -161,6 +161,28 @@ def test_a_rank_killed_inside_a_gloo_creation_leaves_its_peers_waiting_in_none(
 
 
 @pytest.mark.fault_matrix
+def test_a_rank_killed_inside_its_snapshot_pair_creation_leaves_its_buddy_waiting_in_none(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """As above, inside generation 1's snapshot pair group: rank 3 publishes its address
+    for its pair with rank 7 and is killed; rank 7 waits in gloo to be connected, which
+    no cut ends. The pair groups are made like the generation's others now, so the next
+    declaration leaves that creation behind: rank 7 is not taken for hung (before: it was
+    made on the main thread, stayed there, was replaced as the rank never reaching the
+    next rendezvous, and with its buddy rank 3 lost too, hot-swap ended; a flush declared
+    meanwhile waited --flush-timeout for it and wrote nothing). Two ranks replaced, the
+    run bit-exact."""
+    run, events = _launch(tmp_path, ["--deadpool-inject", "kill rank=5 iter=3 phase=backward"],
+                          env={MEGATRON_FAULT: "kill rank=3 at=pair call=2",
+                               "GLOO_SOCKET_IFNAME": "lo"})
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "test fault: kill in a snapshot pair (call 2)" in run.output, run.describe()
+    assert _declared(events) == [[5], [3]], run.describe()
+    left = [e for e in events if e["event"] == "forming_abandoned"]
+    assert any("snapshot pair" in e["what"] and e["left_waiting"] for e in left), left
+    assert not [e for e in events if e["event"] == "hang_localized"], run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_ranks_failing_alike_before_the_build_end_the_job_with_their_error(
         tmp_path: Path) -> None:
     """A configuration error every rank meets: GLOO_SOCKET_IFNAME names no interface, so each

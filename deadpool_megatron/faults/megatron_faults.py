@@ -40,6 +40,12 @@ that started as that rank (a spare taking the rank later is not affected):
                                         (127.0.0.1), so each of them is the side that waits
                                         to be connected (gloo: the lower address listens)
 
+    "kill rank=3 at=pair call=2"        as at=gloo, inside the gloo creation of the process's
+                                        2nd snapshot pair group (generation 1's): its buddy
+                                        waits to be connected
+    "kill rank=1 at=fetch call=1"       the same in its 1st replica fetch's pair group (a
+                                        restore: the source of a spare's replicated region)
+
     "block worker=s0.0 at=build"        the worker named s0.0 (a spare) blocks forever as it
                                         builds a GPT model (GPTModel's constructor): a spare
                                         hung while it builds the failed rank's objects alone
@@ -76,7 +82,7 @@ ERRORS = {"illegal": CUDA_ERROR, "ecc": ECC_ERROR}  # error=...: what `raise` ra
 class MegatronFault:
     action: str  # raise, nan, kill, block, gil, stop, sleep
     ranks: tuple[int, ...]  # (ALL,): every rank
-    at: str  # forward, backward, save, gloo, build
+    at: str  # forward, backward, save, gloo, pair, fetch, build
     call: int = 1
     seconds: float = 0.0
     iteration: int = 0  # a fault of the work: fires in iteration N in the rank's holder
@@ -202,6 +208,44 @@ def killed_after_publishing(inner: Any, said: str) -> Any:
     return KilledAfterSet()
 
 
+def _publishing_then_killed(gloo: Any, said: Callable[[], str]) -> Any:
+    """A gloo group class whose creation publishes this process's address (127.0.0.2, above
+    its peers'), prints `said()`, then SIGKILLs the process."""
+
+    class Publishing(gloo):  # type: ignore[misc, valid-type]
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+            super().__init__(killed_after_publishing(store, said()), rank, size,
+                             gloo_options("127.0.0.2", timeout))
+
+    return Publishing
+
+
+def _killed_pairing(fault: MegatronFault) -> None:
+    """The `call`th two-rank gloo group's creation of its kind (at=pair: the snapshot pairs,
+    one per generation here; at=fetch: the replica fetches of a restore) publishes the
+    address, then is killed: its peer waits to be connected."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from deadpool_megatron.snapshot import engine, moves
+
+    module, kind = (engine, "a snapshot pair") if fault.at == "pair" else \
+        (moves, "a replica fetch")
+    real_pair, gloo = module.pair_group, c10d.ProcessGroupGloo
+    calls = 0
+    publishing = _publishing_then_killed(
+        gloo, lambda: f"test fault: kill in {kind} (call {calls}), its address published,")
+
+    @functools.wraps(real_pair)
+    def pair_group(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == fault.call:
+            c10d.ProcessGroupGloo = publishing
+        return real_pair(*args, **kwargs)
+
+    module.pair_group = pair_group
+
+
 def _killed_publishing(fault: MegatronFault) -> None:
     """The `call`th default group's gloo creation publishes the address, then is killed."""
     import torch.distributed as dist
@@ -209,19 +253,15 @@ def _killed_publishing(fault: MegatronFault) -> None:
 
     real_init, gloo = dist.init_process_group, c10d.ProcessGroupGloo
     calls = 0
-
-    class Publishing(gloo):  # type: ignore[misc, valid-type]
-        def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
-            said = f"test fault: kill in gloo (call {calls}), its address published,"
-            super().__init__(killed_after_publishing(store, said), rank, size,
-                             gloo_options("127.0.0.2", timeout))
+    publishing = _publishing_then_killed(
+        gloo, lambda: f"test fault: kill in gloo (call {calls}), its address published,")
 
     @functools.wraps(real_init)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         nonlocal calls
         calls += 1
         if calls == fault.call:
-            c10d.ProcessGroupGloo = Publishing
+            c10d.ProcessGroupGloo = publishing
         return real_init(*args, **kwargs)
 
     dist.init_process_group = init_process_group
@@ -255,6 +295,8 @@ def install_from_env() -> MegatronFault | None:
         GPTModel.__init__ = _failing(fault, GPTModel.__init__)
     elif fault.at == "gloo":
         _killed_publishing(fault)
+    elif fault.at in ("pair", "fetch"):
+        _killed_pairing(fault)
     elif fault.at == "save":
         from megatron.core import dist_checkpointing
 

@@ -128,6 +128,7 @@ class Member(NotWalked):
     identity: list[tuple[int, int]] = field(default_factory=list)  # params at first build
     start_iteration: int | None = None  # where this job's training began (after --load)
     gen_store: Any = None  # reconstruct/groups.GenerationStore of the generation forming
+    forming: Forming | None = None  # its group creations, left behind if it is superseded
     # Sockets older than this worker's first generation (other libraries', made at start):
     # never cut. Every later one is some generation's, and a broken generation's cut takes
     # them all: a group of an older generation still in use (a reference the rebind
@@ -438,9 +439,9 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     if generation > 0:  # the hang analysis sees it forming this one (control/hang.py); the
         member.stamp("recovery")  # job's first build is not timed as a recovery step
     board = member.progress
-    forming = Forming(generation, member.device.thread,
-                      board.watching_instead if board is not None else
-                      lambda ident: contextlib.nullcontext())
+    forming = member.forming = Forming(generation, member.device.thread,
+                                       board.watching_instead if board is not None else
+                                       lambda ident: contextlib.nullcontext())
     member.ctl.watch(generation, lambda newer: interrupt(member, forming))
     try:
         joined = join_generation(member.ctl, generation, member.rank, member.world,
@@ -450,6 +451,12 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
                                      "groups", generation),
                                  creating=lambda timeout: _creating(member, timeout),
                                  barrier_group=member.keeps_groups, forming=forming)
+        if joined:
+            # Gloo groups too, as the generation's others: a peer cut while it made its pair
+            # with this rank left this rank waiting to be connected, which no cut ends
+            # (forming.py). Made on the main thread, a survivor stayed there past a flush
+            # declared meanwhile, its shard never written (CI: no report from w7 in 60 s).
+            forming.run(lambda: member.engine.connect(generation), "the snapshot pair groups")
     except FormingAbandoned as left:
         member.events.emit("forming_abandoned", generation=generation, what=str(left),
                            left_waiting=forming.left_behind is not None)
@@ -457,7 +464,6 @@ def rejoin(member: Member, generation: int, laps: "_Laps | None" = None) -> bool
     if not joined:
         member.groups.drop_handed()  # cut by the newer declaration (`interrupt`)
         return False
-    member.engine.connect(generation)
     laps("snapshot_group")
     member.ctl.prepare_connection()  # the next generation's, in the background
     return True
@@ -585,7 +591,13 @@ def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
                    if src is not None and rank in (src, r))
     for src, dst in pairs:
         t0 = time.perf_counter()
-        region = engine.take_replicated(t, src, dst, incoming, group_desc=REPLICA_FETCH_GROUP)
+        moved: list[int] = []
+        # Its gloo group made like the generation's others (forming.py): a peer cut while
+        # making it leaves this rank waiting to be connected, which no cut ends.
+        member.forming.run(lambda: moved.append(engine.take_replicated(
+            t, src, dst, incoming, group_desc=REPLICA_FETCH_GROUP)),
+            f"the replica fetch {src} -> {dst}")
+        region = moved[0]
         member.events.emit("replicated_region_moved", target=t, source=src, to=dst,
                            bytes=region, role="source" if rank == src else "spare",
                            ms=round(1e3 * (time.perf_counter() - t0), 1))

@@ -437,8 +437,13 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
 
     # -- what a recovery reads -------------------------------------------------------------
     def held(self) -> tuple[list[int], list[int]]:
-        """(own, ward): the snapshot iterations held complete (CRC verified), newest first."""
-        own = self.own.available() if self.own is not None else []
+        """(own, ward): the snapshot iterations held complete (CRC verified), newest first.
+        An own copy without its replicated region (received from the buddy in a restore
+        whose fetch of that region never came: the source died first) is not held: a
+        restore from it read the region's stale bytes, a silently wrong model (a test of a
+        source killed inside the fetch's group creation: parameter norm 1.4e11)."""
+        own = [t for t in self.own.available() if t not in self.own.partial()] \
+            if self.own is not None else []
         ward = self.ward_buffer.available() if self.ward_buffer is not None else []
         return own, ward
 

@@ -100,7 +100,7 @@ class RecoveryMoves:
     def own_snapshot(self, target: int) -> Slot:
         """This rank's complete (CRC-verified) copy of `target`, to restore from."""
         slot = self.own.find(target) if self.own is not None else None
-        if slot is None:
+        if slot is None or slot.partial:  # partial: its replicated region never came
             raise MoveError(f"rank {self.rank} has no complete snapshot {target} to restore")
         return slot
 
