@@ -34,10 +34,16 @@ def test_a_flush_writes_the_wards_copies_only_when_the_ward_is_lost() -> None:
 
 
 def test_a_restore_reads_its_own_complete_copy_or_says_which_is_missing() -> None:
-    eng = _engine({6: "own 6"}, {})
-    assert RecoveryMoves.own_snapshot(eng, 6) == "own 6"
+    """A copy without its replicated region (a spare's, received from its buddy, whose
+    fetch of that region never came) is no complete snapshot: restoring from it read the
+    region's stale bytes."""
+    whole = types.SimpleNamespace(partial=False)
+    eng = _engine({6: whole, 4: types.SimpleNamespace(partial=True)}, {})
+    assert RecoveryMoves.own_snapshot(eng, 6) is whole
     with pytest.raises(MoveError, match="rank 3 has no complete snapshot 5"):
         RecoveryMoves.own_snapshot(eng, 5)
+    with pytest.raises(MoveError, match="rank 3 has no complete snapshot 4"):
+        RecoveryMoves.own_snapshot(eng, 4)
     # The RNG of a snapshot whose tensor copy had not finished: captured as it was taken.
     assert RecoveryMoves.rng_of(eng, 7) == "captured 7"
     assert RecoveryMoves.shard_nbytes.fget(eng) == 0
