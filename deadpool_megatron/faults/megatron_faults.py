@@ -208,63 +208,31 @@ def killed_after_publishing(inner: Any, said: str) -> Any:
     return KilledAfterSet()
 
 
-def _publishing_then_killed(gloo: Any, said: Callable[[], str]) -> Any:
-    """A gloo group class whose creation publishes this process's address (127.0.0.2, above
-    its peers'), prints `said()`, then SIGKILLs the process."""
+def _killed_publishing(fault: MegatronFault, module: Any, name: str, kind: str) -> None:
+    """Inside the gloo group creation of the `call`th call of `module.name` in this process
+    (dist.init_process_group: a default group; engine/moves.pair_group: a snapshot pair, a
+    replica fetch), this process publishes its address (127.0.0.2, above its peers', so
+    each peer is the side that waits to be connected), says so, and is SIGKILLed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    real, gloo = getattr(module, name), c10d.ProcessGroupGloo
+    calls = 0
 
     class Publishing(gloo):  # type: ignore[misc, valid-type]
         def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
-            super().__init__(killed_after_publishing(store, said()), rank, size,
+            said = f"test fault: kill in {kind} (call {calls}), its address published,"
+            super().__init__(killed_after_publishing(store, said), rank, size,
                              gloo_options("127.0.0.2", timeout))
 
-    return Publishing
-
-
-def _killed_pairing(fault: MegatronFault) -> None:
-    """The `call`th two-rank gloo group's creation of its kind (at=pair: the snapshot pairs,
-    one per generation here; at=fetch: the replica fetches of a restore) publishes the
-    address, then is killed: its peer waits to be connected."""
-    from torch.distributed import distributed_c10d as c10d
-
-    from deadpool_megatron.snapshot import engine, moves
-
-    module, kind = (engine, "a snapshot pair") if fault.at == "pair" else \
-        (moves, "a replica fetch")
-    real_pair, gloo = module.pair_group, c10d.ProcessGroupGloo
-    calls = 0
-    publishing = _publishing_then_killed(
-        gloo, lambda: f"test fault: kill in {kind} (call {calls}), its address published,")
-
-    @functools.wraps(real_pair)
-    def pair_group(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(real)
+    def patched(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == fault.call:
-            c10d.ProcessGroupGloo = publishing
-        return real_pair(*args, **kwargs)
+            c10d.ProcessGroupGloo = Publishing
+        return real(*args, **kwargs)
 
-    module.pair_group = pair_group
-
-
-def _killed_publishing(fault: MegatronFault) -> None:
-    """The `call`th default group's gloo creation publishes the address, then is killed."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    real_init, gloo = dist.init_process_group, c10d.ProcessGroupGloo
-    calls = 0
-    publishing = _publishing_then_killed(
-        gloo, lambda: f"test fault: kill in gloo (call {calls}), its address published,")
-
-    @functools.wraps(real_init)
-    def init_process_group(*args: Any, **kwargs: Any) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == fault.call:
-            c10d.ProcessGroupGloo = publishing
-        return real_init(*args, **kwargs)
-
-    dist.init_process_group = init_process_group
+    setattr(module, name, patched)
 
 
 def install_from_env() -> MegatronFault | None:
@@ -294,9 +262,17 @@ def install_from_env() -> MegatronFault | None:
 
         GPTModel.__init__ = _failing(fault, GPTModel.__init__)
     elif fault.at == "gloo":
-        _killed_publishing(fault)
-    elif fault.at in ("pair", "fetch"):
-        _killed_pairing(fault)
+        import torch.distributed as dist
+
+        _killed_publishing(fault, dist, "init_process_group", "gloo")
+    elif fault.at == "pair":
+        from deadpool_megatron.snapshot import engine
+
+        _killed_publishing(fault, engine, "pair_group", "a snapshot pair")
+    elif fault.at == "fetch":
+        from deadpool_megatron.snapshot import moves
+
+        _killed_publishing(fault, moves, "pair_group", "a replica fetch")
     elif fault.at == "save":
         from megatron.core import dist_checkpointing
 

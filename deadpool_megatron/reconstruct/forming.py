@@ -27,11 +27,12 @@ import ctypes
 import logging
 import threading
 import time
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, TypeVar
 
 from deadpool_megatron.control.failures import PeerFailure
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
+T = TypeVar("T")
 
 ABANDON_GRACE_S = 0.5  # a creation not ended this long after a newer declaration is left
 POLL_S = 0.02  # the main thread looks for a newer declaration this often
@@ -67,17 +68,18 @@ class Forming:
         """From the control watcher: a newer generation was declared."""
         self._superseded.set()
 
-    def run(self, work: Callable[[], None], what: str) -> None:
-        """`work()` in a thread of its own; its error is raised here. Raises
-        FormingAbandoned where it was superseded and had not ended within the grace."""
+    def run(self, work: Callable[[], T], what: str) -> T:
+        """`work()` in a thread of its own; its result returned, its error raised here.
+        Raises FormingAbandoned where it was superseded and had not ended within the grace."""
         done = threading.Event()
         outcome: list[BaseException] = []
+        result: list[T] = []
         context = contextvars.copy_context()  # the session and hooks (integration/live.py)
 
         def body() -> None:
             try:
                 with self.thread_context():
-                    context.run(work)
+                    result.append(context.run(work))
             except Superseded:
                 log.info("generation %d: the abandoned creation of %s ended", self.generation,
                          what)
@@ -93,6 +95,7 @@ class Forming:
             self._wait(thread, done, what)
         if outcome:
             raise outcome[0]
+        return result[0]
 
     def _wait(self, thread: threading.Thread, done: threading.Event, what: str) -> None:
         deadline: float | None = None

@@ -591,13 +591,11 @@ def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
                    if src is not None and rank in (src, r))
     for src, dst in pairs:
         t0 = time.perf_counter()
-        moved: list[int] = []
         # Its gloo group made like the generation's others (forming.py): a peer cut while
         # making it leaves this rank waiting to be connected, which no cut ends.
-        member.forming.run(lambda: moved.append(engine.take_replicated(
-            t, src, dst, incoming, group_desc=REPLICA_FETCH_GROUP)),
+        region = member.forming.run(lambda: engine.take_replicated(
+            t, src, dst, incoming, group_desc=REPLICA_FETCH_GROUP),
             f"the replica fetch {src} -> {dst}")
-        region = moved[0]
         member.events.emit("replicated_region_moved", target=t, source=src, to=dst,
                            bytes=region, role="source" if rank == src else "spare",
                            ms=round(1e3 * (time.perf_counter() - t0), 1))
