@@ -17,7 +17,7 @@ from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, ch
 from deadpool_megatron.snapshot.manifest import build_manifest
 from deadpool_megatron.snapshot.transport import ReplicaMismatch, take_region
 from deadpool_megatron.topology import ParallelSizes, buddy_map, coord_of
-from deadpool_megatron.topology.replicas import replica_sources
+from deadpool_megatron.topology.replicas import replica_holders
 
 
 def _model_and_optimizer() -> tuple[torch.nn.Module, object]:
@@ -111,6 +111,23 @@ def test_partial_slots_are_listed_apart() -> None:
     assert not again.partial and again.table == ()
 
 
+def test_a_whole_copy_beside_a_partial_one_of_the_same_iteration_is_the_one_held() -> None:
+    """A spare's restore broke before its region came (its source died), the next one
+    received the iteration again and completed it: the partial slot is still there."""
+    buf = DoubleBuffer.allocate(1000, count=3)
+    own = _sealed(torch.randint(0, 255, (1000,), dtype=torch.uint8), 700, 128, b"o")
+    stale = buf.begin_write()
+    stale.flat.copy_(_partial_copy(own).flat)
+    stale.seal(3, b"o", own.unique_crc)
+    stale.seal_regions(700, own.table, own.unique_crc, partial=True)
+    whole = buf.begin_write()
+    assert whole is not stale
+    whole.flat.copy_(own.flat)
+    whole.seal(3, b"o", own.crc)
+    whole.seal_regions(700, own.table, own.unique_crc)
+    assert buf.find(3) is whole and buf.available() == [3] and buf.partial() == []
+
+
 def test_the_flag_turns_the_skip_off() -> None:
     (on,) = parse_configs([DeadPoolConfig], ["--deadpool"], prog="x")
     (off,) = parse_configs([DeadPoolConfig], ["--deadpool", "--deadpool-send-replicated"],
@@ -123,7 +140,7 @@ SIZES = ParallelSizes(tp=2, pp=2, dp=2)
 RPN = 1  # one rank per node: every rank's data-parallel peer is on another node
 REPLICA = [coord_of(r, SIZES).dp for r in range(8)]
 BUDDY = buddy_map(8, RPN)
-SOURCES = replica_sources(SIZES, RPN)
+HOLDERS = replica_holders(SIZES, RPN)
 
 
 def _reports(own: tuple = (4, 3), partial: bool = True) -> list[RankReport]:
@@ -132,15 +149,15 @@ def _reports(own: tuple = (4, 3), partial: bool = True) -> list[RankReport]:
 
 
 def test_plan_takes_the_replicated_region_from_the_source() -> None:
-    assert BUDDY[5] == 6 and SOURCES[5] == 7
+    assert BUDDY[5] == 6 and HOLDERS[5] == (7,)
     reports = _reports()
     reports[5] = SPARE_REPORT
-    plan = plan_recovery(reports, {5}, BUDDY, REPLICA, 4, sources=SOURCES)
+    plan = plan_recovery(reports, {5}, BUDDY, REPLICA, 4, holders=HOLDERS)
     assert plan.target == 4 and plan.restore[5] == "buddy"
     assert plan.replica_from == (None,) * 5 + (7,) + (None,) * 2
     whole = _reports(partial=False)
     whole[5] = SPARE_REPORT  # whole copies at the buddy: nothing taken from a peer
-    assert plan_recovery(whole, {5}, BUDDY, REPLICA, 4, sources=SOURCES).replica_from == \
+    assert plan_recovery(whole, {5}, BUDDY, REPLICA, 4, holders=HOLDERS).replica_from == \
         (None,) * 8
 
 
@@ -149,7 +166,7 @@ def test_plan_picks_a_snapshot_the_source_still_holds_in_its_own_slots() -> None
     reports[5] = SPARE_REPORT
     # The source's own slots no longer hold 4 (its live state is 4: that does not count).
     reports[7] = dataclasses.replace(reports[7], own=(3, 2))
-    plan = plan_recovery(reports, {5}, BUDDY, REPLICA, 4, sources=SOURCES)
+    plan = plan_recovery(reports, {5}, BUDDY, REPLICA, 4, holders=HOLDERS)
     assert plan.target == 3 and plan.replica_from[5] == 7
 
 
@@ -157,12 +174,12 @@ def test_source_dead_too_is_refused_with_a_clear_message() -> None:
     reports = _reports()
     reports[5] = reports[7] = SPARE_REPORT
     with pytest.raises(RecoveryImpossible, match=r"replicated bytes of ranks \[5, 7\] are "
-                                                 r"lost.*sources \[5, 7\]"):
-        plan_recovery(reports, {5, 7}, BUDDY, REPLICA, 4, sources=SOURCES)
+                                                 r"lost.*holders \[5, 7\]"):
+        plan_recovery(reports, {5, 7}, BUDDY, REPLICA, 4, holders=HOLDERS)
     # The same deaths with whole copies at the buddies recover.
     whole = _reports(partial=False)
     whole[5] = whole[7] = SPARE_REPORT
-    assert plan_recovery(whole, {5, 7}, BUDDY, REPLICA, 4, sources=SOURCES).target == 4
+    assert plan_recovery(whole, {5, 7}, BUDDY, REPLICA, 4, holders=HOLDERS).target == 4
 
 
 def test_report_round_trips_with_its_partial_copies() -> None:
@@ -175,11 +192,62 @@ def test_report_round_trips_with_its_partial_copies() -> None:
 def test_host_zero_refuses_a_hot_swap_that_lost_rank_and_source_together() -> None:
     from deadpool_megatron.control.policy import check_recoverable
 
-    check_recoverable(1, {5}, 8, RPN, False, SOURCES)  # the source (7) lives
+    check_recoverable(1, {5}, 8, RPN, False, HOLDERS)  # the source (7) lives
     with pytest.raises(RecoveryImpossible, match=r"replicated bytes of ranks \[5, 7\] are "
-                                                 r"lost.*source, \[7, 5\]"):
-        check_recoverable(1, {5, 7}, 8, RPN, False, SOURCES)
-    check_recoverable(1, {5, 7}, 8, RPN, False, [None] * 8)  # whole copies at the buddies
+                                                 r"lost.*holders, \[\[7\], \[5\]\]"):
+        check_recoverable(1, {5, 7}, 8, RPN, False, HOLDERS)
+    check_recoverable(1, {5, 7}, 8, RPN, False, [[]] * 8)  # whole copies at the buddies
+
+
+# TP2 x DP4 on two nodes of four ranks: each rank has three data-parallel peers, so a
+# source lost too leaves two more holders of the same bytes.
+SIZES4 = ParallelSizes(tp=2, pp=1, dp=4)
+RPN4 = 4
+REPLICA4 = [coord_of(r, SIZES4).dp for r in range(8)]
+BUDDY4 = buddy_map(8, RPN4)
+HOLDERS4 = replica_holders(SIZES4, RPN4)
+
+
+def test_a_source_lost_too_hands_the_region_to_the_next_holder() -> None:
+    assert HOLDERS4[2] == (4, 6, 0) and HOLDERS4[4] == (0, 2, 6)
+    reports = _reports()
+    reports[2] = reports[4] = SPARE_REPORT  # rank 2 and its source, rank 4, both lost
+    plan = plan_recovery(reports, {2, 4}, BUDDY4, REPLICA4, 4, holders=HOLDERS4)
+    assert plan.target == 4 and plan.restore[2] == plan.restore[4] == "buddy"
+    assert plan.replica_from[2] == 6 and plan.replica_from[4] == 0
+    assert {r for r, src in enumerate(plan.replica_from) if src is not None} == {2, 4}
+    # A sender never receives: no rank both takes a region and gives one.
+    senders = {src for src in plan.replica_from if src is not None}
+    assert not senders & {r for r, src in enumerate(plan.replica_from) if src is not None}
+
+
+def test_the_next_holder_must_hold_the_target_in_its_own_slots() -> None:
+    reports = _reports()
+    reports[2] = reports[4] = SPARE_REPORT
+    reports[6] = dataclasses.replace(reports[6], own=(3, 2))  # 6 no longer holds 4
+    plan = plan_recovery(reports, {2, 4}, BUDDY4, REPLICA4, 4, holders=HOLDERS4)
+    assert plan.target == 4 and plan.replica_from[2] == 0  # the holder on rank 2's own node
+    reports[0] = dataclasses.replace(reports[0], own=(3, 2))  # nobody left holds 4 whole
+    plan = plan_recovery(reports, {2, 4}, BUDDY4, REPLICA4, 4, holders=HOLDERS4)
+    assert plan.target == 3 and plan.replica_from[2] == 6 and plan.replica_from[4] == 0
+
+
+def test_a_rank_lost_while_no_holder_keeps_the_snapshot_is_refused() -> None:
+    reports = _reports()
+    reports[2] = reports[4] = SPARE_REPORT
+    for r in (0, 6):  # alive, but their own slots no longer hold what the buddies do
+        reports[r] = dataclasses.replace(reports[r], own=(2,))
+    with pytest.raises(RecoveryImpossible, match=r"replicated bytes of ranks \[2, 4\] are "
+                                                 r"lost.*holders \[0, 2, 4, 6\]"):
+        plan_recovery(reports, {2, 4}, BUDDY4, REPLICA4, 4, holders=HOLDERS4)
+
+
+def test_host_zero_takes_a_rank_lost_with_its_source_while_another_holder_lives() -> None:
+    from deadpool_megatron.control.policy import check_recoverable
+
+    holders = [list(h) for h in HOLDERS4]  # as published (JSON)
+    check_recoverable(1, {2, 4}, 8, RPN4, False, holders)  # 2's source (4) is lost: 6 holds
+    # (every holder of a rank lost too takes its buddy with it here: the shard rule refuses)
 
 
 @pytest.mark.parametrize("chunk", [64, 100, 1 << 20])

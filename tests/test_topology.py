@@ -386,6 +386,8 @@ def test_scale_100k_coords() -> None:
 
 # -- data-parallel replica placement (topology/replicas.py) ---------------------------------
 from deadpool_megatron.topology.replicas import (  # noqa: E402
+    HOLDERS,
+    replica_holders,
     replica_source_of,
     replica_sources,
     replicas_lost,
@@ -405,9 +407,16 @@ def test_replica_source_is_a_dp_peer_on_another_node_at_100k_ranks() -> None:
         assert node_of(s, rpn) != node_of(r, rpn)
     # A permutation: every rank serves exactly one other.
     assert sorted(sources) == list(range(100_000))
+    # The holders: the source first, then further dp peers, a few per rank only.
+    holders = replica_holders(sizes, rpn)
+    for r in (0, 1, 77_777, 99_999):
+        a = coord_of(r, sizes)
+        assert holders[r][0] == sources[r] and len(set(holders[r])) == HOLDERS
+        assert all((coord_of(h, sizes).tp, coord_of(h, sizes).pp) == (a.tp, a.pp)
+                   and coord_of(h, sizes).dp != a.dp for h in holders[r])
     # Losing any whole node never loses a rank's replicated bytes with it.
     for node in (0, 1, 6_249, 12_499):
-        assert not replicas_lost(range(node * rpn, (node + 1) * rpn), sources)
+        assert not replicas_lost(range(node * rpn, (node + 1) * rpn), holders)
 
 
 def test_no_replica_source_when_every_dp_peer_shares_the_node() -> None:
@@ -420,8 +429,19 @@ def test_no_replica_source_when_every_dp_peer_shares_the_node() -> None:
     assert replica_sources(ParallelSizes.from_world(2, tp=1, pp=1), 1) == [1, 0]
 
 
-def test_replicas_lost_needs_the_source_dead_too() -> None:
-    sources = [1, 0, 3, 2]
-    assert replicas_lost({0}, sources) == set()
-    assert replicas_lost({0, 1}, sources) == {0, 1}
-    assert replicas_lost({2}, [None, None, None, None]) == set()
+def test_replicas_lost_needs_every_holder_dead_too() -> None:
+    holders = [(1,), (0,), (3,), (2,)]
+    assert replicas_lost({0}, holders) == set()
+    assert replicas_lost({0, 1}, holders) == {0, 1}
+    assert replicas_lost({2}, [(), (), (), ()]) == set()
+    three = [(1, 2), (2, 0), (0, 1)]  # dp = 3: two holders each
+    assert replicas_lost({0, 1}, three) == set()  # 2 holds both
+    assert replicas_lost({0, 1, 2}, three) == {0, 1, 2}
+
+
+def test_holders_go_to_other_nodes_first_then_the_own_node() -> None:
+    sizes = ParallelSizes.from_world(8, tp=2, pp=1)  # dp = 4: peers of 2 are 4, 6, 0
+    assert replica_holders(sizes, 4)[2] == (4, 6, 0)  # 4, 6 on node 1; 0 shares node 0
+    assert replica_holders(sizes, 4)[4] == (0, 2, 6)
+    assert replica_holders(sizes, 8)[2] == ()  # one node: no source, the buddy keeps all
+    assert replica_holders(ParallelSizes.from_world(2, tp=1, pp=1), 1) == [(1,), (0,)]

@@ -358,10 +358,11 @@ class ControlClient:
                 raise TimeoutError(f"worker {self.worker}: rendezvous of generation "
                                    f"{generation} incomplete after {self.timeout_s:.0f} s")
 
-    def publish_replica_sources(self, sources: list[int | None]) -> None:
-        """Tell host 0 whose replicated bytes live only on a data-parallel peer, so that it
-        refuses a hot-swap that lost both (and flushes) before any rank tries one."""
-        self.store.set(keys.REPLICA_SOURCES, json.dumps(sources))
+    def publish_replica_holders(self, holders: list[tuple[int, ...]]) -> None:
+        """Tell host 0 whose replicated bytes live only on data-parallel peers, so that it
+        refuses a hot-swap that lost a rank with all of them (and flushes) before any rank
+        tries one."""
+        self.store.set(keys.REPLICA_HOLDERS, json.dumps(holders))
 
     def report_failure(self, reason: str, iteration: int | None = None,
                        comparable: bool = True, after: bool = False) -> None:

@@ -4,7 +4,7 @@ GENERATION = "dp/generation"
 SHUTDOWN = "dp/shutdown"
 # json list, per rank: the data-parallel peer holding its replicated bytes instead of its
 # buddy (null: its buddy holds all of its shard); written by rank 0 at the start
-REPLICA_SOURCES = "dp/replica_sources"
+REPLICA_HOLDERS = "dp/replica_holders"
 
 
 def members(generation: int) -> str:

@@ -52,22 +52,22 @@ def assign_spares(generation: int, current: dict[int, str], failed: set[int],
 
 def check_recoverable(generation: int, failed: set[int], world_size: int,
                       ranks_per_node: int, allow_same_node: bool,
-                      sources: list[int | None] | None = None) -> None:
+                      holders: list[list[int]] | None = None) -> None:
     """Refuse when a failed rank's buddy copy died too (shard and copy both lost), or when
-    its replicated bytes, which only its data-parallel source holds (`sources`, see
-    topology/replicas.py), died with that source."""
+    its replicated bytes, which only its data-parallel peers hold (`holders`, see
+    topology/replicas.py), died with every one of them."""
     lost = lost_shards(failed, world_size, ranks_per_node, allow_same_node)
     if lost:
         raise RecoveryImpossible(
             f"generation {generation}: the in-memory shards of ranks {sorted(lost)} are lost "
             f"(each rank and the buddy holding its copy failed together: failed ranks "
             f"{sorted(failed)})")
-    gone = replicas_lost(failed, sources) if sources is not None else set()
+    gone = replicas_lost(failed, holders) if holders is not None else set()
     if gone:
         raise RecoveryImpossible(
             f"generation {generation}: the replicated bytes of ranks {sorted(gone)} are lost "
             f"(their buddies hold only their unique bytes, and each one's data-parallel "
-            f"source, {[sources[r] for r in sorted(gone)]}, failed too; "
+            f"holders, {[list(holders[r]) for r in sorted(gone)]}, failed too; "
             f"--deadpool-send-replicated keeps whole copies at the buddies)")
 
 

@@ -257,18 +257,19 @@ class Coordinator:
                              f"{self.cfg.heartbeat_timeout:.1f} s)"}[how],
                     f": {reason.splitlines()[0][:300]}" if reason else "")
 
-    def _replica_sources(self) -> list[int | None] | None:
+    def _replica_holders(self) -> list[list[int]] | None:
         """What rank 0 published of who holds each rank's replicated bytes (None: not yet
         published, or malformed: then only the buddy rule applies)."""
-        value = self.store.read(keys.REPLICA_SOURCES)
+        value = self.store.read(keys.REPLICA_HOLDERS)
         try:
-            sources = json.loads(value) if value is not None else None
+            holders = json.loads(value) if value is not None else None
         except ValueError:
             return None
-        if not isinstance(sources, list) or len(sources) != self.world or not all(
-                s is None or (isinstance(s, int) and 0 <= s < self.world) for s in sources):
+        if not isinstance(holders, list) or len(holders) != self.world or not all(
+                isinstance(h, list) and all(isinstance(r, int) and 0 <= r < self.world
+                                            for r in h) for h in holders):
             return None
-        return sources
+        return holders
 
     def _failure(self, worker: str, rank: int, reported: str) -> Failure:
         """The failure, with its own error's kind and iteration where the worker said them
@@ -410,7 +411,7 @@ class Coordinator:
             raise EpochEnded(RECOVERY_IMPOSSIBLE_RC, alike, flush=True, lost=lost)
         try:
             check_recoverable(self.generation, failed_ranks, self.world, self.rpn,
-                              self.allow_same_node, self._replica_sources())
+                              self.allow_same_node, self._replica_holders())
             plan = assign_spares(self.generation, self.current, failed_ranks, self.spares,
                                  self._avoid_hosts(failed_ranks),
                                  {s: self.cfg.host_of(s) for s in self.spares})
@@ -440,7 +441,7 @@ class Coordinator:
         """Why the job ends, where workers failed alike, each of its own error, before the
         job built its state (rank 0 publishes its replica sources once built), in this
         declaration or an earlier one: control/alike.py."""
-        if self._replica_sources() is not None:
+        if self._replica_holders() is not None:
             return ""
         error = alike_before_built(self.failures)
         if error is None:

@@ -54,7 +54,7 @@ from deadpool_megatron.replay.plan import (FRESH_START, SPARE_REPORT, Microbatch
 from deadpool_megatron.snapshot.engine import SnapshotEngine
 from deadpool_megatron.snapshot.restore import restore_shard, rewind_rng
 from deadpool_megatron.topology import ParallelSizes, buddy_of, coord_of, ward_of
-from deadpool_megatron.topology.replicas import replica_sources
+from deadpool_megatron.topology.replicas import replica_holders
 
 log = logging.getLogger("deadpool_megatron.recovery")
 STOP_TIMEOUT_S = 5.0  # a stopping thread, once its connections are cut, must end within this
@@ -219,9 +219,10 @@ class Member(NotWalked):
                           at_start=live == reached == self.start_iteration,
                           ward_partial=partial)
 
-    def sources(self) -> list[int | None]:
-        """Per rank, the data-parallel peer on another node holding its replicated bytes."""
-        return replica_sources(self.sizes, self.ft.ranks_per_node(self.world))
+    def holders(self) -> list[tuple[int, ...]]:
+        """Per rank, the data-parallel peers holding its replicated bytes, its source (the
+        first on another node) first."""
+        return replica_holders(self.sizes, self.ft.ranks_per_node(self.world))
 
 
 def _param_identity(objs: Any) -> list[tuple[int, int]]:
@@ -553,7 +554,7 @@ def agree(member: Member, report: RankReport) -> tuple[RecoveryPlan, list[int]]:
     num_mb = member.loop.microbatches_of or member.cfg.num_microbatches(member.world)
     plan = plan_recovery(reports, replaced, member.buddies(),
                          [member.replica_of(r) for r in range(member.world)], num_mb,
-                         member.ft.deadpool_replay, member.sources())
+                         member.ft.deadpool_replay, member.holders())
     return plan, sizes
 
 
@@ -581,11 +582,13 @@ def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> 
 
 def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:
     """Round 1b: a rank whose buddy held only the unique region of the target takes the
-    replicated one from its data-parallel source's own slot, each chunk checked against
+    replicated one from the own slot of the data-parallel holder the plan names (its
+    source, or the next holder where the source is lost too), each chunk checked against
     the CRC table the buddy kept (transport.fetch_region). A rank makes the two-rank
     groups of its own fetches only, with their two members alone (pair_group.py, named
-    after the pair), in one global order of the pairs, so no cycle of ranks waits on
-    each other; only the members connect and move bytes."""
+    after the pair), in one global order of the pairs; a sender never receives (it
+    restores nothing from a buddy), so no cycle of ranks waits on each other; only the
+    members connect and move bytes."""
     engine, rank, t = member.engine, member.rank, plan.target
     pairs = sorted((src, r) for r, src in enumerate(plan.replica_from)
                    if src is not None and rank in (src, r))
@@ -766,12 +769,14 @@ def flush_held(member: Member, lost: set[int],
     ward = ward_of(member.rank, member.world, rpn, member.ft.deadpool_allow_same_node_buddy)
     stand_in = ward not in lost and flush is not None and ward != member.rank and \
         _replaced_since(member, ward, engine.ward_heard_in, flush)
+    holders = member.holders()
     for rank, slot in engine.flushable(ward if ward in lost or stand_in else None):
-        # A partial copy goes without its replicated region, which its data-parallel
-        # source (alive, or the plan had refused) writes in its own shard.
+        # A partial copy goes without its replicated region, which a data-parallel holder
+        # that is not lost (it writes its own shard) stands for.
         copy = stand_in and rank == ward
-        write_shard(save, rank, slot, member.sources()[rank] if slot.partial else None,
-                    copy=copy)
+        source = next((h for h in holders[rank] if h not in lost),
+                      holders[rank][0] if holders[rank] else None) if slot.partial else None
+        write_shard(save, rank, slot, source, copy=copy)
         written.setdefault(f"{rank} (copy)" if copy else str(rank), []).append(slot.iteration)
     log.info("rank %d: flushed snapshots %s to %s", member.rank, written, save)
     return written

@@ -6,10 +6,11 @@ The rules:
 - The target T is the newest snapshot iteration that every survivor can stand on (it holds
   its own copy of T complete, or its live state is T) and whose copy of every replaced rank
   is complete on that rank's buddy. A buddy's copy without the replicated region (the
-  rank's data-parallel source holds those bytes, snapshot/manifest.py) counts only if that
-  source is no spare and still holds T in its own slots; the replaced rank then takes the
-  region from it (`replica_from`). A source that died too (topology.replicas_lost) leaves
-  no such T: the recovery is impossible, and says so.
+  rank's data-parallel peers hold those bytes, snapshot/manifest.py) counts only if one of
+  its named holders (its source first, topology/replicas.py) is no spare and still holds T
+  in its own slots; the replaced rank then takes the region from the first such holder
+  (`replica_from`). Holders that all died too (topology.replicas_lost) leave no such T:
+  the recovery is impossible, and says so.
 - A replaced rank (a spare), or one that holds no snapshot of its own, restores from its
   buddy; a survivor whose live state is T restores nothing; any other survivor (it stepped
   past T, or a step was cut short) rolls back to its own copy of T. A partly stepped
@@ -29,11 +30,13 @@ The rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from deadpool_megatron.control.policy import RecoveryImpossible
 
 MODES = ("local", "spread")
+Holders = Sequence[Sequence[int]]  # per rank, the peers holding its replicated bytes
 FRESH_START = -1  # the target of a plan that rebuilds the starting state
 
 
@@ -145,12 +148,12 @@ class RecoveryPlan:
 
 
 def choose_target(reports: list[RankReport], needs_buddy: list[bool],
-                  buddies: list[int], sources: list[int | None] | None = None) -> int | None:
+                  buddies: list[int], holders: Holders | None = None) -> int | None:
     """The newest iteration every rank can stand on (see the module docstring)."""
     candidates: set[int] | None = None
     for rank, report in enumerate(reports):
         if needs_buddy[rank]:
-            held = _held_for(rank, reports, needs_buddy, buddies, sources)
+            held = _held_for(rank, reports, needs_buddy, buddies, holders)
         else:
             held = set(report.own) | ({report.live} if report.live is not None else set())
         candidates = held if candidates is None else candidates & held
@@ -160,26 +163,33 @@ def choose_target(reports: list[RankReport], needs_buddy: list[bool],
 
 
 def _held_for(rank: int, reports: list[RankReport], needs_buddy: list[bool],
-              buddies: list[int], sources: list[int | None] | None) -> set[int]:
+              buddies: list[int], holders: Holders | None) -> set[int]:
     """Iterations a rank that restores from its buddy can get whole: the buddy's complete
-    copies, and its partial ones whose replicated region the rank's source holds in its own
-    slots (a source's live state does not count: only a slot can be sent)."""
-    holder = buddies[rank]
-    if needs_buddy[holder]:
+    copies, and its partial ones whose replicated region one of the rank's holders holds in
+    its own slots (a holder's live state does not count: only a slot can be sent)."""
+    buddy = buddies[rank]
+    if needs_buddy[buddy]:
         return set()
-    ward = reports[holder]
+    ward = reports[buddy]
     partial = set(ward.ward_partial)
-    source = sources[rank] if sources is not None else None
-    from_source = set(reports[source].own) if source is not None \
-        and not needs_buddy[source] else set()
-    return {t for t in ward.ward if t not in partial or t in from_source}
+    from_peers = {t for peer in (holders[rank] if holders is not None else ())
+                  if not needs_buddy[peer] for t in reports[peer].own}
+    return {t for t in ward.ward if t not in partial or t in from_peers}
+
+
+def _replica_source(rank: int, target: int, reports: list[RankReport],
+                    needs_buddy: list[bool], holders: Holders) -> int | None:
+    """The first of `rank`'s holders that can send its replicated region of `target`."""
+    return next((peer for peer in holders[rank]
+                 if not needs_buddy[peer] and target in reports[peer].own), None)
 
 
 def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[int],
                   replica_of: list[int], num_microbatches: int | Callable[[int], int],
-                  mode: str = "local", sources: list[int | None] | None = None) -> RecoveryPlan:
-    """See the module docstring. replica_of[r] is rank r's data-parallel rank; sources[r]
-    the data-parallel peer holding its replicated bytes (topology/replicas.py);
+                  mode: str = "local", holders: Holders | None = None) -> RecoveryPlan:
+    """See the module docstring. replica_of[r] is rank r's data-parallel rank; holders[r]
+    the data-parallel peers holding its replicated bytes, in the order to ask them
+    (topology/replicas.py);
     num_microbatches: per replica, the same in every iteration or a function of the
     iteration (a batch-size schedule)."""
     if mode not in MODES:
@@ -188,7 +198,7 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
         else (lambda iteration: num_microbatches)
     world = len(reports)
     needs_buddy = [r in replaced or not reports[r].own for r in range(world)]
-    target = choose_target(reports, needs_buddy, buddies, sources)
+    target = choose_target(reports, needs_buddy, buddies, holders)
     survivors = [rep for r, rep in enumerate(reports) if r not in replaced]
     if target is None and all(rep.at_start or _holds_nothing(rep) for rep in survivors):
         return RecoveryPlan(target=FRESH_START, restore=("fresh",) * world,
@@ -196,13 +206,14 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
                             refill_ward=(False,) * world, num_microbatches=per_iteration(1))
     if target is None:
         lost = sorted(r for r in range(world) if needs_buddy[r])
-        without = _replicas_gone(lost, reports, needs_buddy, buddies, sources)
+        without = _replicas_gone(lost, reports, needs_buddy, buddies, holders)
         if without:
             raise RecoveryImpossible(
                 f"the replicated bytes of ranks {sorted(without)} are lost: their buddies "
-                f"hold only their unique bytes, and their data-parallel sources "
-                f"{sorted({without[r] for r in without})} failed too or no longer hold the "
-                f"snapshot; no in-memory snapshot rebuilds them (restart from the flush or "
+                f"hold only their unique bytes, and their data-parallel holders "
+                f"{sorted({p for r in without for p in without[r]})} failed too or no longer "
+                f"hold the snapshot; no in-memory snapshot rebuilds them (restart from the "
+                f"flush or "
                 f"the newest checkpoint; --deadpool-send-replicated keeps whole copies at "
                 f"the buddies)")
         raise RecoveryImpossible(
@@ -232,8 +243,9 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
     refill = tuple(needs_buddy[r] and not needs_buddy[wards[r]]
                    and target in reports[wards[r]].own for r in range(world))
     replica_from = tuple(
-        sources[r] if sources is not None and needs_buddy[r]
-        and target in reports[buddies[r]].ward_partial else None for r in range(world))
+        _replica_source(r, target, reports, needs_buddy, holders) if holders is not None
+        and needs_buddy[r] and target in reports[buddies[r]].ward_partial else None
+        for r in range(world))
     counts = {it: per_iteration(it) for it in range(target + 2, last + 1)}
     return RecoveryPlan(target=target, restore=restore, work=tuple(work), last_iteration=last,
                         refill_ward=refill, num_microbatches=first_count,
@@ -242,17 +254,17 @@ def plan_recovery(reports: list[RankReport], replaced: set[int], buddies: list[i
 
 
 def _replicas_gone(lost: list[int], reports: list[RankReport], needs_buddy: list[bool],
-                   buddies: list[int], sources: list[int | None] | None) -> dict[int, int]:
+                   buddies: list[int], holders: Holders | None) -> dict[int, Sequence[int]]:
     """Of the ranks restoring from their buddies, those whose buddy holds partial copies
-    only and whose source cannot give the region back: {rank: source}."""
+    only and none of whose holders can give the region back: {rank: holders}."""
     gone = {}
     for r in lost:
-        holder = buddies[r]
-        if needs_buddy[holder] or not reports[holder].ward_partial:
+        buddy = buddies[r]
+        if needs_buddy[buddy] or not reports[buddy].ward_partial:
             continue
-        if not _held_for(r, reports, needs_buddy, buddies, sources) and sources is not None \
-                and sources[r] is not None:
-            gone[r] = sources[r]
+        if holders is not None and holders[r] \
+                and not _held_for(r, reports, needs_buddy, buddies, holders):
+            gone[r] = holders[r]
     return gone
 
 

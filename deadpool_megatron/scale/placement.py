@@ -12,7 +12,7 @@ from unittest import mock
 from deadpool_megatron.control.policy import assign_spares, check_recoverable
 from deadpool_megatron.replay.plan import SPARE_REPORT, RankReport, plan_recovery
 from deadpool_megatron.topology import ParallelSizes, buddy_map, coord_of
-from deadpool_megatron.topology.replicas import replica_source_of, replica_sources
+from deadpool_megatron.topology.replicas import replica_holders, replica_holders_of
 
 
 def pair_groups(world: int, ranks_per_node: int) -> int:
@@ -75,11 +75,11 @@ def _ms(fn: Any, repeat: int = 3) -> float:
 def timings(world: int, ranks_per_node: int, tp: int, pp: int) -> dict[str, float]:
     """Milliseconds, best of three: the plan (every rank computes it from the gathered
     reports), host 0's spare assignment with its checks, and one rank's placements (its
-    buddy, ward and replica source)."""
+    buddy, ward and replica holders)."""
     sizes = ParallelSizes.from_world(world, tp, pp)
     victim = world // 2 + 1
     buddies = buddy_map(world, ranks_per_node)
-    sources = replica_sources(sizes, ranks_per_node)
+    holders = replica_holders(sizes, ranks_per_node)
     replica_of = [coord_of(r, sizes).dp for r in range(world)]
     held = RankReport(own=(5, 6, 7), ward=(5, 6, 7), live=7, grads_intact=False, reached=8)
     reports = [SPARE_REPORT if r == victim else held for r in range(world)]
@@ -88,10 +88,10 @@ def timings(world: int, ranks_per_node: int, tp: int, pp: int) -> dict[str, floa
     spare_host = {s: int(s[1:].split(".")[0]) for s in spares}
 
     def plan() -> None:
-        plan_recovery(reports, {victim}, buddies, replica_of, 8, "local", sources)
+        plan_recovery(reports, {victim}, buddies, replica_of, 8, "local", holders)
 
     def assign() -> None:
-        check_recoverable(0, {victim}, world, ranks_per_node, False, sources)
+        check_recoverable(0, {victim}, world, ranks_per_node, False, holders)
         assign_spares(0, current, {victim}, spares, {victim: {0}}, spare_host)
 
     def place() -> None:
@@ -99,10 +99,10 @@ def timings(world: int, ranks_per_node: int, tp: int, pp: int) -> dict[str, floa
 
         buddy_of(victim, world, ranks_per_node)
         ward_of(victim, world, ranks_per_node)
-        replica_source_of(victim, sizes, ranks_per_node)
+        replica_holders_of(victim, sizes, ranks_per_node)
 
-    def sources_all() -> None:
-        replica_sources(sizes, ranks_per_node)
+    def holders_all() -> None:
+        replica_holders(sizes, ranks_per_node)
 
     return {"plan": _ms(plan), "assign": _ms(assign), "placement": _ms(place),
-            "replica_sources": _ms(sources_all)}
+            "replica_holders": _ms(holders_all)}

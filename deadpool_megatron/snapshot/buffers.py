@@ -196,21 +196,20 @@ class DoubleBuffer:
         return False
 
     def find(self, iteration: int) -> Slot | None:
-        """A slot holding `iteration` whose CRC verified (committed or not)."""
-        for slot in self.slots:
-            if slot.iteration == iteration and slot.check():
-                return slot
-        return None
+        """A slot holding `iteration` whose CRC verified (committed or not), a whole one
+        before a partial one: a restore that broke before its replicated region came, then
+        succeeded, left both."""
+        held = [s for s in self.slots if s.iteration == iteration and s.check()]
+        return min(held, key=lambda s: s.partial) if held else None
 
     def available(self) -> list[int]:
         """Iterations held (CRC verified), newest first; a partial copy (no replicated
         region) counts: see `partial`."""
-        return sorted((s.iteration for s in self.slots if s.check()), reverse=True)
+        return sorted({s.iteration for s in self.slots if s.check()}, reverse=True)
 
     def partial(self) -> list[int]:
-        """Of `available`, the iterations held without their replicated region."""
-        return sorted((s.iteration for s in self.slots if s.partial and s.check()),
-                      reverse=True)
+        """Of `available`, the iterations held without their replicated region only."""
+        return [t for t in self.available() if self.find(t).partial]
 
     def committed_slot(self) -> Slot | None:
         return None if self.committed is None else self.slots[self.committed]

@@ -57,7 +57,7 @@ from deadpool_megatron.snapshot.transport import (TornTransfer, acknowledge, exc
                                                   exchange_int)
 from deadpool_megatron.reconstruct.pair_group import pair_group
 from deadpool_megatron.topology import ParallelSizes, buddy_of, pair_links, ward_of
-from deadpool_megatron.topology.replicas import replica_source_of, replica_sources
+from deadpool_megatron.topology.replicas import replica_holders, replica_source_of
 
 log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
@@ -347,16 +347,16 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         return (not self.ft.deadpool_send_replicated and self.source is not None
                 and self.manifest is not None and self.manifest.replicated_nbytes > 0)
 
-    def replica_sources(self) -> list[int | None]:
-        """Per rank of the job, the peer holding its replicated bytes instead of its buddy
-        (None: the buddy holds the whole shard). Equal on every rank: one layout per job."""
+    def replica_holders(self) -> list[tuple[int, ...]]:
+        """Per rank of the job, the peers holding its replicated bytes instead of its buddy
+        (empty: the buddy holds the whole shard). Equal on every rank: one layout per job."""
         world = dist.get_world_size()
         if self.ft.deadpool_send_replicated or self.manifest is None \
                 or self.manifest.replicated_nbytes == 0:
-            return [None] * world
+            return [()] * world
         sizes = ParallelSizes.from_world(world, self.cfg.tensor_model_parallel_size,
                                          self.cfg.pipeline_model_parallel_size)
-        return replica_sources(sizes, self.ft.ranks_per_node(world))
+        return replica_holders(sizes, self.ft.ranks_per_node(world))
 
     @property
     def sent_nbytes(self) -> int:

@@ -123,7 +123,7 @@ class _Driver:
                 ctl.unwatch()
                 self._build_together()
                 if member.rank == 0:
-                    ctl.publish_replica_sources(member.engine.replica_sources())
+                    ctl.publish_replica_holders(member.engine.replica_holders())
         except JobShutdown as end:
             log.error("rank %d: job ended by the launcher: %s", member.rank, end)
             return 1
