@@ -24,8 +24,8 @@ TP2_DP4 = [a for a in GPT_3D_ARGS if a != "--use-distributed-optimizer"]
 TP2_DP4[TP2_DP4.index("--pipeline-model-parallel-size") + 1] = "1"
 
 
-def _launch(tmp: Path, args: list[str], faults: list[str],
-            spares: int) -> tuple[JobResult, list[dict]]:
+def _launch(tmp: Path, args: list[str], faults: list[str], spares: int,
+            launch: tuple[str, ...] = ()) -> tuple[JobResult, list[dict]]:
     """The job with every fault of `faults`, one after another (each taken by a spare)."""
     events = tmp / "events"
     # Small chunks: a sender killed after its first chunk leaves a torn copy.
@@ -33,8 +33,8 @@ def _launch(tmp: Path, args: list[str], faults: list[str],
             "--deadpool-audit-groups", "--deadpool-snapshot-chunk-mb", "0.05"]
     for fault in faults:
         args += ["--deadpool-inject", fault]
-    run = run_launched(["--nproc-per-node", "8", "--spares", str(spares), "--logical-nodes", "2"],
-                       args, tmp, timeout_s=500, env=ENV)
+    run = run_launched(["--nproc-per-node", "8", "--spares", str(spares), "--logical-nodes", "2",
+                        *launch], args, tmp, timeout_s=500, env=ENV)
     out = []
     for path in events.parent.glob(events.name + ".rank*"):
         out += [json.loads(line) for line in path.read_text().splitlines()]
@@ -113,6 +113,27 @@ def test_spread_replay_deals_the_lost_microbatches_once(tmp_path: Path) -> None:
           f"{reference.param_norm!r}: relative difference {relative:.2e}")
     assert relative < SPREAD_TOLERANCE
     assert run.fingerprint != reference.fingerprint  # not bit-identical, as documented
+
+
+def test_a_rank_lost_with_its_source_is_hot_swapped_from_the_next_holder(
+        tmp_path: Path, tp2_dp4_reference: str) -> None:
+    """TP2 x DP4, plain optimizer (every optimizer byte replicated): ranks 2 and 4 die in
+    one iteration, on two nodes. Rank 4 is rank 2's data-parallel source, rank 0 rank 4's;
+    their buddies hold only their unique bytes. Ranks 6 and 0 hold the same replicated
+    bytes (topology/replicas.py): host 0 takes the hot swap, rank 2's region comes from 6
+    and rank 4's from 0, and the run ends with the failure-free fingerprint (before: 'the
+    replicated bytes of ranks [2] are lost', a flush and a restart from the checkpoint)."""
+    run, events = _launch(tmp_path, TP2_DP4, ["kill rank=2 iter=4 phase=optimizer",
+                                              "kill rank=4 iter=4 phase=optimizer"],
+                          spares=2, launch=("--failure-window", "2.0"))
+    assert "restarting all" not in run.output, run.describe()
+    assert [e["failed_ranks"] for e in events if e["event"] == "generation_declared"] == \
+        [[2, 4]], run.describe()
+    recovered = check_recoveries(run, events, tp2_dp4_reference, count=1)
+    assert sorted(e["rank"] for e in recovered if e["how"] == "buddy") == [2, 4], recovered
+    taken = {(e["source"], e["to"]) for e in events
+             if e["event"] == "replicated_region_moved" and e["role"] == "spare"}
+    assert taken == {(6, 2), (0, 4)}, run.describe()
 
 
 def test_a_source_killed_inside_a_replica_fetch_hands_the_region_to_the_next_holder(
