@@ -485,6 +485,60 @@ def test_a_kill_inside_a_gloo_creation_in_megatrons_loop_leaves_no_peer_waiting(
 
 
 @pytest.mark.fault_matrix
+def test_a_kill_inside_a_snapshot_pair_creation_in_megatrons_loop_leaves_its_buddy_waiting_in_none(
+        plain, tmp_path: Path) -> None:
+    """As test_real_failures' test of the same shape, in Megatron's loop: rank 3 is killed
+    inside generation 1's snapshot pair group after publishing its address; its pair peer
+    waits in gloo to be connected, and the next declaration leaves that creation behind:
+    two ranks replaced, no peer taken for hung, the run bit-exact."""
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=5 iter=2 phase=backward"],
+                            spares=2, env={MEGATRON_FAULT: "kill rank=3 at=pair call=2",
+                                           "GLOO_SOCKET_IFNAME": "lo"})
+    assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    assert "test fault: kill in a snapshot pair (call 2)" in job.output, job.describe()
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared == [[5], [3]], job.describe()
+    left = [e for e in events if e["event"] == "forming_abandoned"]
+    assert any("snapshot pair" in e["what"] and e["left_waiting"] for e in left), left
+    assert not [e for e in events if e["event"] == "hang_localized"], job.describe()
+
+
+# TP2 x DP4: each rank's parameters are held by three data-parallel peers, two of them on
+# the other node (rank 2's: 4, then 6, then 0).
+MODEL_DP4 = [*MODEL]
+MODEL_DP4[MODEL_DP4.index("--pipeline-model-parallel-size") + 1] = "1"
+
+
+@pytest.fixture(scope="module")
+def plain_dp4(tmp_path_factory) -> JobResult:
+    run = run_job(8, [*MODEL_DP4, *CPU_FLAGS], tmp_path_factory.mktemp("plain_dp4") / "logs",
+                  timeout_s=400, script=MEGATRON_GPT, env=ENV)
+    assert run.ok and run.fingerprint, run.describe()
+    return run
+
+
+@pytest.mark.fault_matrix
+def test_a_source_killed_inside_a_replica_fetch_in_megatrons_loop_hands_it_to_the_next_holder(
+        plain_dp4: JobResult, tmp_path: Path) -> None:
+    """As test_failure_points' test of the same shape, in Megatron's loop: rank 2 is
+    killed, and rank 4, the source of its spare's parameters, dies inside the fetch's group
+    creation. The next declaration leaves that creation behind; the next plan takes rank
+    2's region from rank 6 and rank 4's from rank 0: hot-swapped, bit-exact."""
+    job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=2 iter=2 phase=backward"],
+                            spares=2, model=MODEL_DP4,
+                            env={MEGATRON_FAULT: "kill rank=4 at=fetch call=1",
+                                 "GLOO_SOCKET_IFNAME": "lo"})
+    assert job.ok and job.fingerprint == plain_dp4.fingerprint, job.describe()
+    assert "test fault: kill in a replica fetch (call 1)" in job.output, job.describe()
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared == [[2], [4]], job.describe()
+    assert not [e for e in events if e["event"] == "hang_localized"], job.describe()
+    taken = {(e["source"], e["to"]) for e in events
+             if e["event"] == "replicated_region_moved" and e["role"] == "spare"}
+    assert taken == {(6, 2), (0, 4)}, job.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_kill_during_megatrons_save_waits_for_a_survivor_still_writing(
         plain, tmp_path: Path) -> None:
     """Rank 5 is killed while rank 2 writes its part of Megatron's save after iteration 2
