@@ -90,6 +90,41 @@ def test_ranks_stuck_forming_a_superseded_generation_are_the_culprits() -> None:
     assert verdict is not None and verdict.culprits == ("w4", "w5")
 
 
+def test_a_monitor_silent_alone_on_its_host_is_a_call_holding_the_gil() -> None:
+    """Overloaded host (a second job on its 2 cores): two survivors waiting in a collective
+    for a spare that hangs as it builds had their monitors silent 5 s together, were taken
+    for two calls holding the GIL and replaced; hot-swap then ended. A monitor silent
+    alone on its host still makes a certain culprit."""
+    def silent(worker: str, mon: float, others: float) -> WorkerView:
+        return WorkerView(worker=worker, generation=1, counter=50, stalled_s=5.2,
+                          timeout_s=5.0, monitor_age_s=mon, where=IN_COLLECTIVE,
+                          long_operation=False, os_state="S", phase="recovery",
+                          host_monitor_age_s=others)
+
+    together = [silent("w2", 5.0, 5.1), silent("w3", 5.1, 5.0)]
+    assert not any(v.frozen for v in together)
+    assert find_hung(together, someone_building=True) is None  # they wait for the spare
+    alone = [silent("w2", 5.0, 0.1), silent("w3", 0.1, 5.0)]
+    verdict = find_hung(alone)
+    assert verdict is not None and verdict.certain and verdict.culprits == ("w2",)
+    assert "runs no Python for 5 s" in verdict.why["w2"]
+
+
+def test_a_hosts_report_carries_the_oldest_other_monitor_of_each_suspect() -> None:
+    from deadpool_megatron.launch.workers import host_report
+
+    def view(mon: float) -> dict:
+        return {"g": 1, "c": 50, "it": 3, "ph": "backward", "st": 0.5, "mon": mon,
+                "wh": IN_COLLECTIVE, "long": False, "to": 20.0, "itn": 0.2, "os": "S",
+                "su": 300.0}
+
+    report = host_report(7, {"w0": view(0.1), "w1": view(5.0), "w2": view(0.3)})
+    assert list(report["workers"]) == ["w1"]  # the only one unable to run Python
+    assert report["workers"]["w1"]["mo"] == 0.3
+    report = host_report(8, {"w0": view(4.0), "w1": view(5.0)})
+    assert report["workers"]["w0"]["mo"] == 5.0 and report["workers"]["w1"]["mo"] == 4.0
+    assert host_report(9, {"w1": view(5.0)})["workers"]["w1"]["mo"] == 0.0  # alone
+
 def test_a_rank_stopped_inside_a_long_operation_is_still_found() -> None:
     """A long operation (a build, a save, the groups' agreement) exempts slow work from the
     timeout; a process the OS stopped does none (chaos soak seed 21: stopped inside the

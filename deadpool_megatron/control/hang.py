@@ -5,8 +5,9 @@ A rank is stalled when its progress counter has not moved for its timeout, outsi
 operation it declared (a durable save). In a hang most ranks stall: the culprit, stuck in
 a kernel, a deadlock or a frozen process, and its victims, waiting in a collective for it.
 The culprits are the stalled ranks that are not waiting in a collective: stopped by the
-OS, unable to run Python for a while (a C call holding the GIL), or seen by their monitor
-running elsewhere than a collective. Only those are replaced. When every stalled rank waits
+OS, unable to run Python for a while (a C call holding the GIL: its monitor thread silent,
+alone on its host, for the others' silence together is the host overloaded, not a call),
+or seen by their monitor running elsewhere than a collective. Only those are replaced. When every stalled rank waits
 in a collective, the culprits are the stalled ones still in an older generation than
 another rank has begun forming: the newer one's rendezvous waits for them, and they cannot
 be waiting on it (a newer declaration cuts a forming generation's waits on the store and
@@ -68,6 +69,9 @@ class WorkerView:
     long_operation: bool
     os_state: str  # /proc state letter ("R", "S", "T", ...)
     phase: str = ""
+    # The oldest monitor age among the other workers of its host: an overloaded host (a
+    # second job on its cores) silences many monitors at once, a call holding the GIL one.
+    host_monitor_age_s: float = 0.0
 
     @property
     def timed(self) -> bool:
@@ -91,7 +95,8 @@ class WorkerView:
         """Why this rank cannot run at all, stalled or not yet ('' if it can)."""
         if self.os_state == STOPPED:
             return "stopped by a signal"
-        if self.monitor_age_s > MONITOR_STALE_S:
+        if self.monitor_age_s > MONITOR_STALE_S and \
+                self.monitor_age_s - self.host_monitor_age_s > MONITOR_STALE_S:
             return f"runs no Python for {self.monitor_age_s:.0f} s (a call holding the GIL)"
         return ""
 

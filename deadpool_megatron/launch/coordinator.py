@@ -331,7 +331,7 @@ class Coordinator:
                                                    startup_s=float(v["su"])),
                             monitor_age_s=float(v["mon"]), where=int(v["wh"]),
                             long_operation=bool(v["long"]), os_state=str(v["os"]),
-                            phase=str(v["ph"])))
+                            phase=str(v["ph"]), host_monitor_age_s=float(v.get("mo", 0.0))))
                     except (KeyError, TypeError, ValueError):
                         log.warning("deadpool-launch: ignored a malformed view of %s from "
                                     "host %d", worker, host)

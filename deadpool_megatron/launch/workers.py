@@ -331,9 +331,17 @@ def host_report(seq: int, views: dict[str, dict]) -> dict:
     stalled for half their timeout or more, or unable to run (control/hang.py). Host 0
     reads every host's report every 0.1 s: with every worker's view it parsed 16,384
     views per scan at 16,384 ranks (80 ms of CPU each time, bench_scale)."""
-    return {"seq": seq, "workers": {w: v for w, v in views.items() if _suspect(v)},
+    return {"seq": seq, "workers": {w: {**v, "mo": _others_monitor_age(w, views)}
+                                    for w, v in views.items() if _suspect(v)},
             "it": {w: [v["g"], v["it"]] for w, v in views.items()},
             "long": sorted(w for w, v in views.items() if v["long"])}
+
+
+def _others_monitor_age(worker: str, views: dict[str, dict]) -> float:
+    """The oldest monitor age among the host's other workers (hang.WorkerView's
+    host_monitor_age_s): two survivors waiting for a hung spare, their monitors silent 5 s
+    together on an overloaded host, were taken for two calls holding the GIL and replaced."""
+    return max((v["mon"] for w, v in views.items() if w != worker), default=0.0)
 
 
 def _suspect(view: dict) -> bool:
