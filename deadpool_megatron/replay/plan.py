@@ -29,8 +29,8 @@ The rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from deadpool_megatron.control.policy import RecoveryImpossible
