@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Chaos soak: a long TP2 x PP2 x DP2 job under random kills, hangs and exceptions injected
-from outside (deadpool-inject --chaos), which must end with the fingerprint of the same job
-run without failures.
+"""Chaos soak: a long TP2 x PP2 x DP2 job (or TP2 x DP4: --layout) under random kills, hangs
+and exceptions injected from outside (deadpool-inject --chaos), which must end with the
+fingerprint of the same job run without failures.
 
     .venv/bin/python tools/chaos_soak.py                      # 200 iterations, 6 faults
     .venv/bin/python tools/chaos_soak.py --iters 40 --faults 2 --mtbf 4   # a short one
@@ -38,8 +38,20 @@ from deadpool_megatron.testing.jobs import (GPT_3D_ARGS, MEGATRON_GPT,  # noqa: 
                                             PRETRAIN_GPT, job_token_file, run_job,
                                             run_launched)
 
-MODEL = GPT_3D_ARGS  # the tests' 8-rank TP2 x PP2 x DP2 job
 NPROC = 8
+
+
+def _tp2_dp4() -> list[str]:
+    """TP2 x DP4 with a plain optimizer: every byte but the RNG and data position is held
+    alike by three data-parallel peers, so buddies keep only the unique bytes and a
+    recovery takes the rest from a peer (its source, or the next holder)."""
+    args = [a for a in GPT_3D_ARGS if a != "--use-distributed-optimizer"]
+    args[args.index("--pipeline-model-parallel-size") + 1] = "1"
+    return args
+
+
+# The tests' 8-rank jobs.
+LAYOUTS = {"tp2-pp2-dp2": lambda: list(GPT_3D_ARGS), "tp2-dp4": _tp2_dp4}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", choices=("megatron", "reduced"), default="reduced",
                    help="megatron: pretrain_scripts/pretrain_gpt.py (Megatron-LM's pretrain(), "
                         "what users run); reduced: the test suite's reduced loop")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="tp2-pp2-dp2",
+                   help="tp2-pp2-dp2: the distributed optimizer; tp2-dp4: a plain optimizer, "
+                        "whose replicated bytes come back from data-parallel peers")
     p.add_argument("--quiet-iterations", type=int, default=3)
     p.add_argument("--progress-timeout", type=float, default=3.0,
                    help="the job's --deadpool-progress-timeout (how soon a hang is found)")
@@ -71,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per job")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "chaos_soak")
     ns = p.parse_args(argv)
-    model = [*MODEL, "--train-iters", str(ns.iters)]
+    model = [*LAYOUTS[ns.layout](), "--train-iters", str(ns.iters)]
     script = MEGATRON_GPT if ns.loop == "megatron" else PRETRAIN_GPT
     t0 = time.monotonic()
     reference = run_job(NPROC, model, ns.out / "reference", timeout_s=ns.timeout,
@@ -121,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if host0.exists() else []
     declared = [e for e in host0_events if e["event"] == "generation_declared"]
     summary = {
-        "loop": ns.loop, "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
+        "loop": ns.loop, "layout": ns.layout, "iterations": ns.iters, "seed": ns.seed, "mtbf_s": ns.mtbf, "spares": ns.faults,
         "faults_injected": len(injected),
         "by_action": dict(Counter(r["spec"].split()[0] for r in injected)),
         "in_recovery": sum("in_recovery_s" in r for r in injected),
