@@ -129,6 +129,22 @@ def test_a_partial_copy_is_flushed_and_read_back_with_its_sources_region(
         flush.read_shard(save, 4, 1)
 
 
+def test_a_partial_copy_with_no_unique_tensor_bytes_is_read_back(tmp_path: Path) -> None:
+    """A plain optimizer: every tensor byte of the shard is replicated, so a buddy's copy
+    holds only the small objects (RNG, data position). Chaos soak seed 301 (--layout
+    tp2-dp4): the restart from such a flush failed reading it ('both buffer length (0) and
+    count (-1) must not be 0'), on rank 0 and then on its spare, and the job ended."""
+    save = str(tmp_path)
+    region = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    shards = [Slot(flat=region.clone(), iteration=4, objects=f"rank {r}".encode(),
+                   crc=checksum(region, f"rank {r}".encode())) for r in range(2)]
+    flush.write_shard(save, 0, shards[0])
+    flush.write_shard(save, 1, _partial_copy(shards[1], split=1000, chunk=256), source=0)
+    assert flush.complete_iterations(save, world=2) == [4]
+    back = flush.read_shard(save, 4, 1)
+    assert not back.partial and back.verify()
+    assert torch.equal(back.flat, region) and back.objects == b"rank 1"
+
 def test_two_partial_copies_that_name_each_other_are_never_complete(tmp_path: Path) -> None:
     """Both replicas lost with only unique bytes left: no shard holds the region."""
     save = str(tmp_path)

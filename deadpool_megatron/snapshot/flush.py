@@ -113,7 +113,8 @@ def read_shard(save: str, iteration: int, rank: int, resolve: bool = True) -> Sl
                          f"checkpoint instead") from None
     flat = torch.empty(flat_bytes, dtype=torch.uint8)
     stored = flat_bytes - split
-    flat[split:] = torch.frombuffer(bytearray(blob[:stored]), dtype=torch.uint8)
+    if stored:  # none where every tensor byte is replicated (a plain optimizer's shard)
+        flat[split:] = torch.frombuffer(bytearray(blob[:stored]), dtype=torch.uint8)
     slot = Slot(flat=flat, iteration=iteration, objects=blob[stored:], crc=int(info["crc"]))
     if partial and resolve:
         _take_region_from_source(save, slot, rank, partial)
