@@ -438,6 +438,8 @@ def test_a_host_report_carries_whole_views_of_suspects_only() -> None:
     report = host_report(4, views)
     assert report["seq"] == 4
     assert sorted(report["workers"]) == ["w1", "w2", "w3", "w6"]
-    assert report["workers"]["w1"] == views["w1"]
+    # ... with the oldest monitor among the host's others (w3's: hang.WorkerView)
+    assert report["workers"]["w1"] == {**views["w1"], "mo": 5.0}
+    assert report["workers"]["w3"]["mo"] == 0.02
     assert report["it"] == {w: [2, 7] for w in views}
     assert report["long"] == ["w5", "w6"]
