@@ -292,6 +292,40 @@ def test_a_sigterm_during_a_recovery_flushes_the_spares_rank_from_its_buddy(
 
 @pytest.mark.multiproc
 @pytest.mark.fault_matrix
+def test_a_spare_that_finds_a_flush_for_its_assignment_reports_to_it(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """The only spare (s0.0) is slow to start (stopped by a signal, no record yet: nothing
+    to judge). Rank 5 is killed in iteration 3 and s0.0 is assigned its place; rank 6 dies
+    as that is declared, no spare is left, and host 0 declares a flush. Only then does s0.0
+    go on: the newest declaration, the flush, names it rank 5. It reports holding nothing,
+    rank 5's buddy writes its copy, and the restart resumes from the flush bit-exact.
+    Before (chaos soak seed 321), the spare took the flush for its assignment, built and
+    waited in the flush generation's rendezvous, which nobody forms: the flush waited
+    --flush-timeout for its report and had no complete snapshot."""
+    save, job = tmp_path / "ckpt", tmp_path / "job"
+    log = job / "launcher.log"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
+            "--save-interval", "100", "--deadpool-inject", "kill rank=5 iter=3 phase=backward"]
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2",
+              "--flush-timeout", "20"]
+    with signal_worker_when(log, "epoch 0: 8 workers", "s0.0", signal.SIGSTOP) as stopped, \
+            signal_worker_when(log, "ranks [5] failed; spares", "w6") as killed, \
+            signal_worker_when(log, "hot-swap impossible", "s0.0", signal.SIGCONT) as resumed:
+        run = run_launched(launch, args, job, timeout_s=400, env=ENV)
+    out = run.logs[0]
+    assert stopped and killed and resumed, run.describe()
+    assert run.ok and run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert "did not report at the flush" not in out, run.describe()
+    spare = (job / "workers" / "epoch0" / "s0.0.log").read_text()
+    assert "rank 5: flushed {} (" in spare, spare[-3000:]  # reported, holding nothing
+    flushed = [int(i) for i in FLUSHED.findall(out)]
+    assert len(flushed) == 1 and flushed[0] >= 2, run.describe()
+    assert [int(i) for i in LOADED.findall(out)] == flushed, run.describe()
+    assert "'5 (copy)': [" in out, run.describe()
+
+
+@pytest.mark.multiproc
+@pytest.mark.fault_matrix
 def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """Rank 3 is stopped by a signal (SIGSTOP: a debugger, a cgroup freeze) in iteration 3,

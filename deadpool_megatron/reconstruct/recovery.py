@@ -629,10 +629,15 @@ def _apply(member: Member, plan: RecoveryPlan) -> None:
 def enter(member: Member, generation: int, t0: float, rebuild: Callable[[], None],
           peak: PeakRss | None = None,
           phases_ms: dict[str, float] | None = None) -> dict[int, MicrobatchWork]:
-    """rejoin, rebind, restore; returns this rank's replay work."""
+    """rejoin, rebind, restore; returns this rank's replay work. A generation that is a
+    flush is never joined: nobody forms it. A spare whose assignment came only after host 0
+    declared a flush read that flush as its assignment, built, and waited in its rendezvous
+    while the flush waited for its report (chaos soak seed 321: 60 s, then no complete
+    snapshot)."""
     lap = _Laps()
     lap.ms.update(phases_ms or {})
 
+    flush_if_asked(member, generation)
     while not rejoin(member, generation, lap):
         generation = member.ctl.wait_generation_after(generation)
         flush_if_asked(member, generation)
@@ -732,7 +737,6 @@ def recover(member: Member, training: StoppableThread | None, rebuild: Callable[
     peak = PeakRss()
     peak.start()
     leave(member, training, generation, peak=peak, since=t0)
-    flush_if_asked(member, generation)
     return enter(member, generation, t0, rebuild, peak,
                  {"leave": round(1e3 * (time.perf_counter() - t0), 1)})
 

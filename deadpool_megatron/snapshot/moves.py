@@ -113,8 +113,11 @@ class RecoveryMoves:
     def flushable(self, ward: int | None) -> list[tuple[int, Slot]]:
         """(rank, slot) of every snapshot held complete of this rank, and of `ward` too
         when given (the ward is lost and this rank holds its only copy). Nothing of this
-        rank's own where its objects were never attached (a job stopped while starting)."""
-        holdings = [(self.rank, self.own)] if self.own is not None else []
+        rank's own where its objects were never attached (a job stopped while starting) or
+        it holds no snapshot (a spare that found a flush for its assignment: it never
+        joined a generation, and has no rank here yet)."""
+        holds = self.own is not None and bool(self.own.available())
+        holdings = [(self.rank, self.own)] if holds else []
         if ward is not None:
             holdings.append((ward, self.ward_buffer))
         return [(rank, buffer.find(iteration)) for rank, buffer in holdings
