@@ -756,6 +756,36 @@ def test_a_sigterm_during_a_recovery_in_megatrons_loop_flushes_the_spares_rank_f
 
 
 @pytest.mark.fault_matrix
+def test_a_spare_that_finds_a_flush_for_its_assignment_in_megatrons_loop_reports_to_it(
+        plain, tmp_path: Path) -> None:
+    """Megatron's loop, as test_flush.py's test of our loop: the only spare is slow to
+    start (stopped by a signal) while rank 5 is killed and it is assigned rank 5's place;
+    rank 6 dies as that is declared, and host 0 declares a flush before the spare goes on.
+    The spare reports holding nothing (before: it waited in the flush generation's
+    rendezvous and the flush kept nothing), rank 5's buddy writes its copy, and the
+    restart resumes from the flush bit-exact."""
+    save, job = tmp_path / "ckpt", tmp_path / "job"
+    log = job / "launcher.log"
+    args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval", "100",
+            "--deadpool-inject", "kill rank=5 iter=3 phase=backward"]
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2",
+              "--flush-timeout", "20"]
+    with signal_worker_when(log, "epoch 0: 8 workers", "s0.0", signal.SIGSTOP) as stopped, \
+            signal_worker_when(log, "ranks [5] failed; spares", "w6") as killed, \
+            signal_worker_when(log, "hot-swap impossible", "s0.0", signal.SIGCONT) as resumed:
+        run = run_launched(launch, args, job, timeout_s=400, env=ENV, script=MEGATRON_GPT)
+    assert stopped and killed and resumed, run.describe()
+    assert run.ok and run.fingerprint == plain.fingerprint, run.describe()
+    assert "did not report at the flush" not in run.output, run.describe()
+    spare = (job / "workers" / "epoch0" / "s0.0.log").read_text()
+    assert "rank 5: flushed {} (" in spare, spare[-3000:]
+    flushed = [int(i) for i in FLUSHED.findall(run.output)]
+    assert len(flushed) == 1 and flushed[0] >= 2, run.describe()
+    assert f"loaded the snapshot of iteration {flushed[0]} flushed to" in run.output, \
+        run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_a_sigterm_while_a_rank_is_frozen_in_megatrons_loop_flushes_its_copy_from_its_buddy(
         plain, tmp_path: Path) -> None:
     """Megatron's loop, as test_flush.py's test of our loop: rank 3 is stopped by a signal
