@@ -389,7 +389,6 @@ from deadpool_megatron.topology.replicas import (  # noqa: E402
     HOLDERS,
     replica_holders,
     replica_source_of,
-    replica_sources,
     replicas_lost,
 )
 
@@ -399,7 +398,8 @@ def test_replica_source_is_a_dp_peer_on_another_node_at_100k_ranks() -> None:
 
     sizes = ParallelSizes.from_world(100_000, tp=8, pp=5)  # dp = 2500
     rpn = 8  # one tensor-parallel group per node: dp peers are on distinct nodes
-    sources = replica_sources(sizes, rpn)
+    holders = replica_holders(sizes, rpn)
+    sources = [h[0] for h in holders]
     for r, s in enumerate(sources):
         assert s is not None
         a, b = coord_of(r, sizes), coord_of(s, sizes)
@@ -408,10 +408,10 @@ def test_replica_source_is_a_dp_peer_on_another_node_at_100k_ranks() -> None:
     # A permutation: every rank serves exactly one other.
     assert sorted(sources) == list(range(100_000))
     # The holders: the source first, then further dp peers, a few per rank only.
-    holders = replica_holders(sizes, rpn)
     for r in (0, 1, 77_777, 99_999):
         a = coord_of(r, sizes)
-        assert holders[r][0] == sources[r] and len(set(holders[r])) == HOLDERS
+        assert holders[r][0] == replica_source_of(r, sizes, rpn)
+        assert len(set(holders[r])) == HOLDERS
         assert all((coord_of(h, sizes).tp, coord_of(h, sizes).pp) == (a.tp, a.pp)
                    and coord_of(h, sizes).dp != a.dp for h in holders[r])
     # Losing any whole node never loses a rank's replicated bytes with it.
@@ -425,8 +425,6 @@ def test_no_replica_source_when_every_dp_peer_shares_the_node() -> None:
     assert replica_source_of(0, sizes, ranks_per_node=4) == 4  # first peer on node 1
     assert replica_source_of(7, sizes, ranks_per_node=4) == 0  # cyclic
     assert replica_source_of(0, ParallelSizes.from_world(4, tp=4, pp=1), 1) is None  # dp=1
-    # The bench's job: 2 ranks, one per node.
-    assert replica_sources(ParallelSizes.from_world(2, tp=1, pp=1), 1) == [1, 0]
 
 
 def test_replicas_lost_needs_every_holder_dead_too() -> None:

@@ -63,7 +63,7 @@ class Coordinator:
         self.generation = 0
         self.current = {r: first_worker(r) for r in range(self.world)}
         self.swapped: dict[int, str] = {}  # ranks not held by their first worker
-        self._holders = set(self.current.values())
+        self._member_workers = set(self.current.values())
         self.spares: list[str] = []
         self.hosts_seen: dict[int, list[str]] = {}  # host -> its workers (ranks, spares)
         self.lost_hosts: set[int] = set()  # their reports stopped
@@ -161,7 +161,7 @@ class Coordinator:
     def _read_exit(self, worker: str, now: float) -> None:
         """A worker's exit report, once: finished (0), or lost."""
         if worker in self._exits_read or \
-                worker not in self._holders and worker not in self.spares:
+                worker not in self._member_workers and worker not in self.spares:
             return
         rc = self._exit_code(worker)
         if rc is None:
@@ -305,7 +305,7 @@ class Coordinator:
             return
         views = []
         building = False  # a member inside a declared long operation (a build, a save)
-        members = self._holders
+        members = self._member_workers
         raws = self.store.read_many([keys.host_report(h) for h in hosts])
         for host, raw in zip(hosts, raws):
             report = self._host_report(host, raw)
@@ -433,7 +433,7 @@ class Coordinator:
         log.warning("deadpool-launch: generation %d: ranks %s failed; spares %s take their "
                     "places", plan.generation, sorted(failed_ranks), plan.replaced)
         self.generation, self.current = plan.generation, plan.rank_to_worker
-        self._holders = set(self.current.values())
+        self._member_workers = set(self.current.values())
         self.declared_at = time.monotonic()
         self.failed.clear()
 

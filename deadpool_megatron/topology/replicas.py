@@ -26,7 +26,7 @@ from deadpool_megatron.topology.coords import ParallelSizes, coord_of
 from deadpool_megatron.topology.nodes import node_of
 
 __all__ = ["HOLDERS", "replica_holders", "replica_holders_of", "replica_source_of",
-           "replica_sources", "replicas_lost"]
+           "replicas_lost"]
 
 HOLDERS = 3  # data-parallel peers named per rank as holders of its replicated bytes
 
@@ -58,11 +58,6 @@ def replica_source_of(rank: int, sizes: ParallelSizes, ranks_per_node: int) -> i
     """The data-parallel peer of ``rank`` on another node that holds its replicated bytes."""
     holders = replica_holders_of(rank, sizes, ranks_per_node, count=1)
     return holders[0] if holders else None
-
-
-def replica_sources(sizes: ParallelSizes, ranks_per_node: int) -> list[int | None]:
-    """``replica_sources(...)[r] == replica_source_of(r, ...)`` for every rank."""
-    return [replica_source_of(r, sizes, ranks_per_node) for r in range(sizes.world_size)]
 
 
 def replica_holders(sizes: ParallelSizes, ranks_per_node: int) -> list[tuple[int, ...]]:
