@@ -356,30 +356,42 @@ def test_a_sigterm_while_a_rank_is_frozen_flushes_its_copy_from_its_buddy(
                             failure_free_8)
 
 
+# Rank 3's thread blocks forever (cutting its connections does not free it), and the
+# scheduler's SIGTERM comes then: its training thread in its first backward of iteration 4
+# (a hung kernel; four micro-batches of four linear layers' backwards per iteration), or its
+# snapshot worker in the acknowledgement of snapshot 3 (a snapshot in flight, as CI found:
+# one rank's worker still in it 5 s after the cut, and nothing was flushed). What is
+# flushed: (fault, thread named stuck, iteration).
+BLOCKED = {
+    "training": (f"block rank=3 at=backward call={3 * 4 * 4 + 1}", "the training thread", 3),
+    "snapshot": ("block rank=3 at=ack call=4", "the snapshot worker", 3),
+}
+
+
 @pytest.mark.multiproc
 @pytest.mark.fault_matrix
-def test_sigterm_while_a_training_thread_is_blocked_still_flushes_every_shard(
-        tmp_path: Path, failure_free_8: JobResult) -> None:
-    """Rank 3's training thread blocks forever in its first backward of iteration 4 (a hung
-    kernel: cutting its connections does not free it), and the scheduler's SIGTERM comes
-    then. The flush needs only the snapshots in host memory, not the thread: rank 3 writes
-    its shard of iteration 3 too, the flush is complete, and the relaunch resumes there and
-    ends bit-exact (before, rank 3 left without writing and the flush was lost)."""
+@pytest.mark.parametrize("thread", sorted(BLOCKED))
+def test_sigterm_while_a_thread_is_blocked_still_flushes_every_shard(
+        tmp_path: Path, failure_free_8: JobResult, thread: str) -> None:
+    """A flush needs only the snapshots held complete in host memory, not the blocked
+    thread: rank 3 writes its shard too, the flush is complete, and the relaunch resumes
+    there and ends bit-exact (before, rank 3 left without writing and the flush was lost)."""
     from deadpool_megatron.faults.megatron_faults import ENV as MEGATRON_FAULT
 
+    fault, stuck, iteration = BLOCKED[thread]
     save = tmp_path / "ckpt"
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
             "--save-interval", "100"]
     launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
-    call = 3 * 4 * 4 + 1  # four micro-batches of four linear layers' backwards per iteration
     first = run_launched(launch, args, tmp_path / "first", timeout_s=400,
-                         env={**ENV, MEGATRON_FAULT: f"block rank=3 at=backward call={call}"},
-                         term_at="test fault: block in backward")
+                         env={**ENV, MEGATRON_FAULT: fault}, term_at="test fault: block in")
     out = first.logs[0]
     assert first.returncodes == [143] and not first.timed_out, first.describe()
-    assert "flushing this rank's snapshots without it" in first.output, first.describe()
-    assert [int(i) for i in FLUSHED.findall(out)] == [3], first.describe()
-    _resumes_from_the_flush(launch, args, save, tmp_path / "second", 3, failure_free_8)
+    assert f"rank 3: {stuck} did not stop within 5 s of its connections being cut; " \
+           f"flushing this rank's snapshots without it" in first.output, first.describe()
+    assert [int(i) for i in FLUSHED.findall(out)] == [iteration], first.describe()
+    _resumes_from_the_flush(launch, args, save, tmp_path / "second", iteration,
+                            failure_free_8)
 
 
 def test_a_flush_that_wrote_nothing_says_why(tmp_path: Path) -> None:

@@ -46,6 +46,11 @@ that started as that rank (a spare taking the rank later is not affected):
     "kill rank=1 at=fetch call=1"       the same in its 1st replica fetch's pair group (a
                                         restore: the source of a spare's replicated region)
 
+    "block rank=3 at=ack call=4"        the snapshot worker blocks forever (the GIL released)
+                                        in its 4th snapshot's acknowledgement with its
+                                        buddy: a worker that cutting its connections does
+                                        not free
+
     "block worker=s0.0 at=build"        the worker named s0.0 (a spare) blocks forever as it
                                         builds a GPT model (GPTModel's constructor): a spare
                                         hung while it builds the failed rank's objects alone
@@ -82,7 +87,7 @@ ERRORS = {"illegal": CUDA_ERROR, "ecc": ECC_ERROR}  # error=...: what `raise` ra
 class MegatronFault:
     action: str  # raise, nan, kill, block, gil, stop, sleep
     ranks: tuple[int, ...]  # (ALL,): every rank
-    at: str  # forward, backward, save, gloo, pair, fetch, build
+    at: str  # forward, backward, save, gloo, pair, fetch, ack, build
     call: int = 1
     seconds: float = 0.0
     iteration: int = 0  # a fault of the work: fires in iteration N in the rank's holder
@@ -273,6 +278,10 @@ def install_from_env() -> MegatronFault | None:
         from deadpool_megatron.snapshot import moves
 
         _killed_publishing(fault, moves, "pair_group", "a replica fetch")
+    elif fault.at == "ack":
+        from deadpool_megatron.snapshot import engine
+
+        engine.acknowledge = _failing(fault, engine.acknowledge)
     elif fault.at == "save":
         from megatron.core import dist_checkpointing
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import traceback
 from typing import Iterator
 
@@ -33,3 +35,10 @@ def without_frames(err: BaseException) -> BaseException:
             traceback.clear_frames(e.__traceback__)
             e.__traceback__ = None
     return err
+
+
+def thread_stack(thread: threading.Thread | None, depth: int = 8) -> str:
+    """The innermost `depth` frames of a running thread, formatted; "ended" once it is
+    gone: where a thread that would not stop was held."""
+    frame = sys._current_frames().get(thread.ident or -1) if thread is not None else None
+    return "".join(traceback.format_stack(frame)[-depth:]) if frame is not None else "ended"

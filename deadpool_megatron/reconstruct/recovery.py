@@ -287,23 +287,31 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
         log.warning("rank %d: the training thread stopped %.1f s after it was asked to; "
                     "it was at:\n%s", member.rank, time.monotonic() - asked, where)
         stopped = True
-    if flushing and worker_stopped and not stopped:
-        # A flush needs only the snapshots in host memory, which the stuck thread (a hung
-        # kernel, a collective that ignores the cut) never touches: the caller writes them
-        # and exits; the groups are not torn down under the thread.
-        log.error("rank %d: the training thread did not stop within %.0f s of its "
-                  "connections being cut; flushing this rank's snapshots without it, at:\n%s",
-                  member.rank, STOP_TIMEOUT_S, where)
+    held = {name: at for name, at in (("the training thread", "" if stopped else where),
+                                      ("the snapshot worker", "" if worker_stopped else
+                                       member.engine.worker_where(pipe))) if at}
+    if flushing and held:
+        # A flush needs only the snapshots held complete in host memory, which neither
+        # stuck thread (a hung kernel, a collective that ignores the cut) writes: the
+        # training thread never does, the worker only the slot it fills, held by no one
+        # until sealed, and it is given up (stop_worker). The caller writes them and
+        # exits; the groups are not torn down under the thread. (CI: a flush asked while
+        # a snapshot was in flight found one rank's worker still in it after 5 s, and the
+        # job ended with nothing flushed.)
+        log.error("rank %d: %s did not stop within %.0f s of its connections being cut; "
+                  "flushing this rank's snapshots without %s, at:\n%s", member.rank,
+                  " and ".join(held), STOP_TIMEOUT_S, "them" if len(held) > 1 else "it",
+                  _held_at(held))
         member.events.emit("abort", generation=member.generation, severed=severed,
-                           thread_stopped=False, lost_replica=lost_replica, laps_ms=laps.ms)
+                           thread_stopped=stopped, worker_stopped=worker_stopped,
+                           lost_replica=lost_replica, laps_ms=laps.ms)
         return
-    if not stopped or not worker_stopped:
-        where = where or "snapshot worker"
+    if held:
         faulthandler.dump_traceback(all_threads=True)  # every thread, into this rank's log
         raise CannotContinue(f"rank {member.rank}: a thread of generation {member.generation} "
                              f"did not stop within {STOP_TIMEOUT_S:.0f} s of its connections "
                              f"being cut ({severed} cut; still open: {open_connections()}), "
-                             f"at:\n{where}")
+                             f"at:\n{_held_at(held)}")
     laps("worker")
     if member.keeps_groups and not flushing:
         # Waiting for peers' reports is no stall (a peer may still be finishing its
@@ -347,6 +355,11 @@ class _Laps:
         now = time.perf_counter()
         self.ms[name] = round(1e3 * (now - self._last), 1)
         self._last = now
+
+
+def _held_at(held: dict[str, str]) -> str:
+    """Where each thread that would not stop is held, by name."""
+    return "\n".join(f"{name}:\n{at}" for name, at in held.items())
 
 
 def _stop_training(member: Member, training: StoppableThread | None,

@@ -44,7 +44,7 @@ from deadpool_megatron.control.failures import PeerFailure
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration.device import ProcessDevice
 from deadpool_megatron.integration.optimizer_state import allocate_optimizer_state
-from deadpool_megatron.metrics.errors import without_frames
+from deadpool_megatron.metrics.errors import thread_stack, without_frames
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.metrics.threads import cpu_seconds, thread_ids
 from deadpool_megatron.snapshot.buffers import (DoubleBuffer, Slot, checksum, chunk_table,
@@ -134,6 +134,7 @@ class _Pipeline:
     failure: BaseException | None = None
     thread: threading.Thread | None = None
     abandoned: bool = False
+    given_up: bool = False  # its worker did not end within its stop time (stop_worker)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -263,15 +264,22 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
 
     @staticmethod
     def stop_worker(pipe: _Pipeline | None, timeout_s: float) -> bool:
-        """Wait for an abandoned pipeline's worker to end; True if it did (a worker that
-        does not could still write into the host buffers). Its error is kept without frames
-        (metrics/errors.py)."""
+        """Wait for an abandoned pipeline's worker to end; True if it did. One that does
+        not is given up: the slot it writes holds no snapshot until sealed (begin_write),
+        and it takes no ward slot for a new copy after this, so the others can be flushed.
+        Its error is kept without frames (metrics/errors.py)."""
         if pipe is None or pipe.thread is None:
             return True
         pipe.thread.join(timeout_s)
         if pipe.failure is not None:
             without_frames(pipe.failure)
-        return not pipe.thread.is_alive()
+        pipe.given_up = pipe.thread.is_alive()
+        return not pipe.given_up
+
+    @staticmethod
+    def worker_where(pipe: _Pipeline | None) -> str:
+        """Where an abandoned pipeline's worker is held (see `stop_worker`)."""
+        return thread_stack(pipe.thread) if pipe is not None else "ended"
 
     # -- set-up ------------------------------------------------------------------------------
     def attach(self, objs: Any, prefault: bool = True) -> None:
@@ -470,7 +478,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             if job is None:
                 return
             try:
-                self._snapshot(job, pipe.links)
+                self._snapshot(job, pipe)
             except BaseException as err:  # noqa: BLE001 - handed to the training thread
                 pipe.failure = err
                 job.copied.set()
@@ -520,19 +528,25 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         if skip:
             slot.seal_regions(split, table, unique, chunk=chunk)
 
-    def _snapshot(self, job: _Job, links: dict[int, Any]) -> None:
+    def _snapshot(self, job: _Job, pipe: _Pipeline) -> None:
         cpu0 = time.thread_time()
         try:
-            self._take(job, links)
+            self._take(job, pipe)
         finally:
             self.stats.cpu_s += time.thread_time() - cpu0
 
-    def _take(self, job: _Job, links: dict[int, Any]) -> None:
+    def _take(self, job: _Job, pipe: _Pipeline) -> None:
+        links = pipe.links
         own = self.own.begin_write()
         skip = self.skips_replicated
         self._copy(job, own, skip)
         job.copied.set()
         self.stats.snapshots += 1
+        if pipe.given_up:
+            # A flush may be writing the ward's slots (a worker held past its stop time
+            # is flushed around, recovery.leave): none of them is taken for a new copy.
+            raise SnapshotAbandoned(f"rank {self.rank}: snapshot {job.iteration} abandoned "
+                                    f"before the exchange with buddy {self.buddy}")
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)
         corrupt = fault is not None and fault.action == "corrupt"

@@ -17,7 +17,6 @@ The thread's body, per training loop (training/driver.py's `TrainingLoop`):
 
 from __future__ import annotations
 
-import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any, Callable, ContextManager, TypeVar
 
 from deadpool_megatron.control.failures import PeerFailure
 from deadpool_megatron.hooks import LoopState, TrainingHooks
-from deadpool_megatron.metrics.errors import without_frames
+from deadpool_megatron.metrics.errors import thread_stack, without_frames
 from deadpool_megatron.replay.plan import MicrobatchWork
 
 T = TypeVar("T")
@@ -230,5 +229,4 @@ class TrainingThread:
         return self._thread.ident
 
     def where(self) -> str:
-        frame = sys._current_frames().get(self._thread.ident or -1)
-        return "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "ended"
+        return thread_stack(self._thread)
