@@ -40,6 +40,25 @@ def test_committed_slot_survives_any_number_of_failed_generations() -> None:
     assert buf.committed_slot().iteration == 6
 
 
+def test_a_slot_left_to_a_given_up_writer_touches_no_later_snapshot() -> None:
+    """A snapshot worker given up mid-write (gloo never freed it) keeps its slot; the buffer
+    goes on with a new one, so what the worker does when it wakes (mark its copy torn, seal
+    it, commit) reaches no snapshot written after."""
+    buf = DoubleBuffer.allocate(16)
+    _write(buf, 1, 1)
+    buf.commit(1)
+    stale = buf.begin_write()
+    buf.orphan_written()
+    assert all(slot is not stale for slot in buf.slots) and len(buf.slots) == 2
+    _write(buf, 2, 2)
+    buf.commit(2)
+    stale.iteration = -1  # the woken worker's torn copy
+    stale.flat.fill_(9)
+    with pytest.raises(AssertionError):
+        buf.commit(3)  # nothing of it is being written any more
+    assert buf.available() == [2, 1] and bool((buf.find(2).flat == 2).all())
+
+
 def test_commit_checks_the_generation_and_crc_detects_a_flipped_bit() -> None:
     buf = DoubleBuffer.allocate(16)
     _write(buf, 1, 7)

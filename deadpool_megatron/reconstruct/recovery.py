@@ -290,14 +290,21 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
     held = {name: at for name, at in (("the training thread", "" if stopped else where),
                                       ("the snapshot worker", "" if worker_stopped else
                                        member.engine.worker_where(pipe))) if at}
+    if list(held) == ["the snapshot worker"] and not flushing:
+        # Given up, it is harmless (stop_worker): this rank goes on and the next
+        # generation starts a worker of its own. (Before, the rank left the job: one lost
+        # rank more, a spare spent, for a send gloo never failed.)
+        log.warning("rank %d: the snapshot worker did not stop within %.0f s of its "
+                    "connections being cut; going on without it (it ends at its group's "
+                    "timeout), at:\n%s", member.rank, STOP_TIMEOUT_S, _held_at(held))
+        held = {}
     if flushing and held:
         # A flush needs only the snapshots held complete in host memory, which neither
         # stuck thread (a hung kernel, a collective that ignores the cut) writes: the
-        # training thread never does, the worker only the slot it fills, held by no one
-        # until sealed, and it is given up (stop_worker). The caller writes them and
-        # exits; the groups are not torn down under the thread. (CI: a flush asked while
-        # a snapshot was in flight found one rank's worker still in it after 5 s, and the
-        # job ended with nothing flushed.)
+        # training thread never does, the worker only the slots it fills, none held (it
+        # is given up: stop_worker). The caller writes them and exits; the groups are not
+        # torn down under the thread. (CI: a flush asked while a snapshot was in flight
+        # found one rank's worker still in it after 5 s, and nothing was flushed.)
         log.error("rank %d: %s did not stop within %.0f s of its connections being cut; "
                   "flushing this rank's snapshots without %s, at:\n%s", member.rank,
                   " and ".join(held), STOP_TIMEOUT_S, "them" if len(held) > 1 else "it",

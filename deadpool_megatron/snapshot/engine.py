@@ -262,19 +262,28 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             pipe.queue.put(None)
         return pipe
 
-    @staticmethod
-    def stop_worker(pipe: _Pipeline | None, timeout_s: float) -> bool:
-        """Wait for an abandoned pipeline's worker to end; True if it did. One that does
-        not is given up: the slot it writes holds no snapshot until sealed (begin_write),
-        and it takes no ward slot for a new copy after this, so the others can be flushed.
-        Its error is kept without frames (metrics/errors.py)."""
+    def stop_worker(self, pipe: _Pipeline | None, timeout_s: float) -> bool:
+        """Wait for an abandoned pipeline's worker to end; True if it did. Its error is kept
+        without frames (metrics/errors.py).
+
+        One that does not is given up, and harmless: the ward's slot it fills is replaced
+        (DoubleBuffer.orphan_written), the own slot it fills holds no snapshot until
+        sealed (begin_write), and once it wakes it touches nothing of the engine's
+        (`_take`). What holds one: gloo does not fail a send or receive whose bytes had
+        begun to move when its connection broke (the cut, a peer's death); it waits out its
+        group's timeout, --deadpool-snapshot-timeout (docs/DESIGN.md, "Cutting a
+        generation")."""
         if pipe is None or pipe.thread is None:
             return True
         pipe.thread.join(timeout_s)
         if pipe.failure is not None:
             without_frames(pipe.failure)
-        pipe.given_up = pipe.thread.is_alive()
-        return not pipe.given_up
+        if not pipe.thread.is_alive():
+            return True
+        pipe.given_up = True
+        if self.ward_buffer is not None:
+            self.ward_buffer.orphan_written()
+        return False
 
     @staticmethod
     def worker_where(pipe: _Pipeline | None) -> str:
@@ -542,11 +551,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         self._copy(job, own, skip)
         job.copied.set()
         self.stats.snapshots += 1
-        if pipe.given_up:
-            # A flush may be writing the ward's slots (a worker held past its stop time
-            # is flushed around, recovery.leave): none of them is taken for a new copy.
-            raise SnapshotAbandoned(f"rank {self.rank}: snapshot {job.iteration} abandoned "
-                                    f"before the exchange with buddy {self.buddy}")
+        self._raise_if_given_up(pipe, job)  # before it takes a ward slot
         incoming = self.ward_buffer.begin_write()
         fault = self.injector.pending("snapshot", job.iteration)
         corrupt = fault is not None and fault.action == "corrupt"
@@ -563,10 +568,12 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
                 after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration),
                 skip_replicated=skip)
         except TornTransfer as err:
-            self._report_torn(job.iteration, err)
+            if not pipe.given_up:
+                self._report_torn(job.iteration, err)
         finally:
             if corrupt:
                 self._flip(own, wire)
+        self._raise_if_given_up(pipe, job)
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() - (own.split if skip else 0) \
             + len(own.objects) + (4 * len(own.table) if skip else 0)
@@ -574,6 +581,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         t0 = time.perf_counter()
         acked = acknowledge(links, job.iteration if received else -1, self.ward,
                             self.buddy) == job.iteration
+        self._raise_if_given_up(pipe, job)
         self.stats.commit_s += time.perf_counter() - t0
         # Pairwise: the ward's copy is committed here once it verified; the own shard once
         # the buddy says its copy verified. No rank waits on any other pair.
@@ -595,6 +603,13 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
                         "the buddy's copy of it did not verify" if not acked
                         else f"the copy from ward {self.ward} did not verify",
                         self.committed_iteration)
+
+    def _raise_if_given_up(self, pipe: _Pipeline, job: _Job) -> None:
+        """A worker given up (stop_worker) that woke: its generation is gone, and so may be
+        the slots it began with; it leaves without touching any."""
+        if pipe.given_up:
+            raise SnapshotAbandoned(f"rank {self.rank}: snapshot {job.iteration}'s worker "
+                                    f"was given up; leaving")
 
     @staticmethod
     def _flip(own: Slot, wire: int) -> None:
