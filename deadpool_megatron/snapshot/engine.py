@@ -271,8 +271,8 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         sealed (begin_write), and once it wakes it touches nothing of the engine's
         (`_take`). What holds one: gloo does not fail a send or receive whose bytes had
         begun to move when its connection broke (the cut, a peer's death); it waits out its
-        group's timeout, --deadpool-snapshot-timeout (docs/DESIGN.md, "Cutting a
-        generation")."""
+        group's timeout, --deadpool-snapshot-timeout (docs/DESIGN.md, "The path of one
+        failure", step 4)."""
         if pipe is None or pipe.thread is None:
             return True
         pipe.thread.join(timeout_s)
