@@ -41,14 +41,14 @@ def test_committed_slot_survives_any_number_of_failed_generations() -> None:
 
 
 def test_a_slot_left_to_a_given_up_writer_touches_no_later_snapshot() -> None:
-    """A snapshot worker given up mid-write (gloo never freed it) keeps its slot; the buffer
-    goes on with a new one, so what the worker does when it wakes (mark its copy torn, seal
-    it, commit) reaches no snapshot written after."""
+    """A snapshot worker given up mid-write (gloo never freed it, or a copy outlasted its
+    stop time) keeps its slot; the buffer goes on with a new one, so what the worker does
+    when it wakes (fill its copy, seal it, mark it torn, commit) reaches no snapshot held."""
     buf = DoubleBuffer.allocate(16)
     _write(buf, 1, 1)
     buf.commit(1)
     stale = buf.begin_write()
-    buf.orphan_written()
+    buf.orphan(stale)
     assert all(slot is not stale for slot in buf.slots) and len(buf.slots) == 2
     _write(buf, 2, 2)
     buf.commit(2)
@@ -57,6 +57,29 @@ def test_a_slot_left_to_a_given_up_writer_touches_no_later_snapshot() -> None:
     with pytest.raises(AssertionError):
         buf.commit(3)  # nothing of it is being written any more
     assert buf.available() == [2, 1] and bool((buf.find(2).flat == 2).all())
+
+
+def test_a_worker_not_ended_in_its_stop_time_is_given_up_with_the_slot_it_fills() -> None:
+    """stop_worker: a worker that ends is stopped; one still held after the stop time is
+    given up, and the slot it was filling leaves its buffer (a copy finishing after the
+    next generation began training would mix two iterations under one checksum)."""
+    from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
+
+    buf = DoubleBuffer.allocate(16)
+    release = threading.Event()
+    held = _Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True))
+    filling = buf.begin_write()
+    held.filling = (buf, filling)
+    held.thread.start()
+    assert not SnapshotEngine.stop_worker(held, 0.05) and held.given_up
+    assert all(slot is not filling for slot in buf.slots)
+    release.set()
+    ended = _Pipeline(links={}, thread=threading.Thread(target=lambda: None))
+    ended.thread.start()
+    kept = buf.slots[0]
+    ended.filling = (buf, kept)  # it ended: whatever it filled, it finished
+    assert SnapshotEngine.stop_worker(ended, 1.0) and not ended.given_up
+    assert buf.slots[0] is kept
 
 
 def test_commit_checks_the_generation_and_crc_detects_a_flipped_bit() -> None:

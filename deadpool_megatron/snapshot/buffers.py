@@ -154,13 +154,15 @@ class DoubleBuffer:
         """Empty slots of another size (the shard's layout changed), pinned as these are."""
         return DoubleBuffer.allocate(nbytes, self.pin, len(self.slots), prefault)
 
-    def orphan_written(self) -> None:
-        """The slot being written is left to its writer, a thread that was given up: a new
-        one takes its place, so that whatever that thread still does to its slot (mark it
-        torn, seal it) never touches a snapshot of a later generation."""
-        if self._writing is not None:
-            self.slots[self._writing] = self.loose_slot()
-            self._writing = None
+    def orphan(self, slot: Slot) -> None:
+        """`slot` is left to its writer, a thread that was given up: a new one takes its
+        place, so that whatever that thread still does to it (copy into it, seal it, mark
+        it torn) never reaches a snapshot held here, of this generation or a later one."""
+        for i, held in enumerate(self.slots):
+            if held is slot:
+                self.slots[i] = self.loose_slot()
+                if self._writing == i:
+                    self._writing = None
 
     def loose_slot(self) -> Slot:
         """A slot outside the pair (a copy fetched for a restore check), pinned as these are."""

@@ -135,6 +135,7 @@ class _Pipeline:
     thread: threading.Thread | None = None
     abandoned: bool = False
     given_up: bool = False  # its worker did not end within its stop time (stop_worker)
+    filling: tuple[DoubleBuffer, Slot] | None = None  # the slot its worker writes now
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -262,14 +263,16 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             pipe.queue.put(None)
         return pipe
 
-    def stop_worker(self, pipe: _Pipeline | None, timeout_s: float) -> bool:
+    @staticmethod
+    def stop_worker(pipe: _Pipeline | None, timeout_s: float) -> bool:
         """Wait for an abandoned pipeline's worker to end; True if it did. Its error is kept
         without frames (metrics/errors.py).
 
-        One that does not is given up, and harmless: the ward's slot it fills is replaced
-        (DoubleBuffer.orphan_written), the own slot it fills holds no snapshot until
-        sealed (begin_write), and once it wakes it touches nothing of the engine's
-        (`_take`). What holds one: gloo does not fail a send or receive whose bytes had
+        One that does not is given up, and harmless: the slot it writes (its own shard's
+        copy, or the ward's) is replaced (DoubleBuffer.orphan), so a copy that ends after
+        the next generation began training, a mix of two iterations under one checksum, is
+        never held; and once it wakes it touches nothing of the engine's (`_take`). What
+        holds one: gloo does not fail a send or receive whose bytes had
         begun to move when its connection broke (the cut, a peer's death); it waits out its
         group's timeout, --deadpool-snapshot-timeout (docs/DESIGN.md, "The path of one
         failure", step 4)."""
@@ -281,8 +284,10 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         if not pipe.thread.is_alive():
             return True
         pipe.given_up = True
-        if self.ward_buffer is not None:
-            self.ward_buffer.orphan_written()
+        filling = pipe.filling
+        if filling is not None:
+            buffer, slot = filling
+            buffer.orphan(slot)
         return False
 
     @staticmethod
@@ -548,11 +553,14 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         links = pipe.links
         own = self.own.begin_write()
         skip = self.skips_replicated
+        pipe.filling = (self.own, own)
         self._copy(job, own, skip)
+        pipe.filling = None
         job.copied.set()
         self.stats.snapshots += 1
         self._raise_if_given_up(pipe, job)  # before it takes a ward slot
         incoming = self.ward_buffer.begin_write()
+        pipe.filling = (self.ward_buffer, incoming)
         fault = self.injector.pending("snapshot", job.iteration)
         corrupt = fault is not None and fault.action == "corrupt"
         # The first byte that goes on the wire (the unique region's when the replicated one
@@ -571,6 +579,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             if not pipe.given_up:
                 self._report_torn(job.iteration, err)
         finally:
+            pipe.filling = None
             if corrupt:
                 self._flip(own, wire)
         self._raise_if_given_up(pipe, job)
