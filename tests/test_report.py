@@ -212,7 +212,8 @@ def test_the_launcher_records_how_each_failure_was_found_and_the_spares_left(
     from deadpool_megatron.control import keys
 
     coordinator, signed = _coordinator(tmp_path, ["s0.0", "s0.1"])
-    signed.set(keys.failure_report("w1"), "RuntimeError: boom")
+    signed.set(keys.REPLICA_HOLDERS, json.dumps([[] for _ in range(coordinator.world)]))
+    signed.set(keys.failure_report("w1"), "RuntimeError: boom")  # in training: built
     for worker, rc in (("w1", "1"), ("w2", "-9")):
         signed.set(keys.exit_report(worker), rc)
         signed.add(keys.EXITS, 1)
@@ -224,6 +225,33 @@ def test_the_launcher_records_how_each_failure_was_found_and_the_spares_left(
     declared = [(e["failed_ranks"], e["spares_left"]) for e in ev
                 if e["event"] == "generation_declared"]
     assert declared == [([1], 1), ([2], 0)]
+
+
+def test_an_own_error_before_the_build_waits_for_its_peers_to_fail_alike(
+        tmp_path: Path) -> None:
+    """Before the job built its state, rank 1's own error is not declared at the end of the
+    20 ms failure window: its peers meet a configuration's error when each reaches it (CI:
+    10-20 ms later on a loaded machine, and a spare had taken rank 1 first). Rank 2's alike
+    error, 0.5 s later, ends the job with it, no spare taken."""
+    from deadpool_megatron.control import keys
+    from deadpool_megatron.launch.coordinator import EpochEnded
+
+    coordinator, signed = _coordinator(tmp_path, ["s0.0", "s0.1"])
+    now = time.monotonic()
+
+    def fails(worker: str, at: float) -> None:
+        signed.set(keys.failure_report(worker), "RuntimeError: no address for: eth9")
+        signed.set(keys.exit_report(worker), "1")
+        signed.add(keys.EXITS, 1)
+        coordinator.tick(at)
+
+    fails("w1", now)
+    coordinator.tick(now + 0.1)
+    assert not [e for e in _launcher_events(tmp_path) if e["event"] == "generation_declared"]
+    with pytest.raises(EpochEnded, match="failed alike before the job built its state"):
+        fails("w2", now + 0.5)
+        coordinator.tick(now + 2.0)
+    assert not [e for e in _launcher_events(tmp_path) if e["event"] == "generation_declared"]
 
 
 def test_a_lost_host_is_dated_from_its_last_report(tmp_path: Path) -> None:

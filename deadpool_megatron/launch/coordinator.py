@@ -34,6 +34,12 @@ STOPPED = 128 + 15  # the job's exit status when a scheduler stopped it (SIGTERM
 HOST_SCAN_S = 0.1
 # Gather failures found by a scan (hangs, lost hosts) this long into one declaration.
 SCAN_GATHER_S = 0.3
+# Before the job built its state, a rank's own error waits this long for its peers' before
+# it is declared: alike, they end the job (control/alike.py), and they come when each rank
+# meets the error, not in one 20 ms window (CI: seven ranks' "no such interface" came
+# 10-20 ms after the window of the first had closed, and a spare took its place first).
+# Nothing is trained yet, so the wait costs no work.
+BEFORE_BUILT_GATHER_S = 1.0
 
 
 def end_epoch(store: SignedStore, reason: str) -> None:
@@ -236,9 +242,12 @@ class Coordinator:
             return
         gather = self.cfg.failure_window if how == "exit" else max(self.cfg.failure_window,
                                                                    SCAN_GATHER_S)
+        reported = self._reported(worker)
+        if how == "exit" and reported and self._replica_holders() is None and \
+                returncode not in (RECOVERY_IMPOSSIBLE_RC, CONFIG_REFUSED_RC):  # end it anyway
+            gather = max(gather, BEFORE_BUILT_GATHER_S)
         self.declare_at = max(self.declare_at if self.failed else 0.0, now + gather)
         self.failed.add(worker)
-        reported = self._reported(worker)
         reason = reported or detail
         if how == "exit" and returncode == RECOVERY_IMPOSSIBLE_RC and not self.no_recovery:
             self.no_recovery = reason or f"worker {worker} found no recovery"
