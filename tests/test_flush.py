@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -75,6 +76,30 @@ def test_a_damaged_flushed_shard_is_refused(tmp_path: Path) -> None:
     (Path(save) / flush.ROOT / flush.LATEST).write_text("x")
     with pytest.raises(flush.FlushError, match="corrupt"):
         flush.latest(save)
+
+
+def test_a_flush_set_aside_is_never_loaded_again_and_an_older_one_commits_after_it(
+        tmp_path: Path) -> None:
+    """A committed flush that a load found damaged is unmarked and kept aside: no start
+    loads it again, and a later flush of an older iteration (the job went back to its
+    checkpoint) commits, where the old marker would have kept it out and pruned it."""
+    save = str(tmp_path)
+    for rank in range(2):
+        flush.write_shard(save, rank, _slot(6, rank))
+    assert flush.commit(save, world=2) == 6
+    aside = flush.set_aside(save, 6)
+    assert flush.latest(save) is None and flush.complete_iterations(save, world=2) == []
+    assert os.path.basename(aside) == "refused_iter_0000006"
+    assert sorted(os.listdir(aside)) == [f"rank_0000{r}.{x}" for r in (0, 1)
+                                         for x in ("bin", "json")]
+    for rank in range(2):
+        flush.write_shard(save, rank, _slot(4, rank))
+    assert flush.commit(save, world=2) == 4 and flush.latest(save) == 4
+    assert os.path.isdir(aside), "the set-aside flush was pruned"
+    # A marker left without its directory (a crash between the two steps) is unmarked too.
+    (Path(save) / flush.ROOT / flush.LATEST).write_text("9")
+    flush.set_aside(save, 9)
+    assert flush.latest(save) is None
 
 
 def _partial_copy(whole: Slot, split: int, chunk: int) -> Slot:
@@ -210,10 +235,15 @@ def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
         tmp_path: Path, failure_free_8: JobResult) -> None:
     """SIGTERM to the launcher and its workers (as a scheduler's time limit sends it) at
     iteration 4: the newest snapshot is written to --save, the job exits with 143 and says
-    how to resume; relaunched with --load it resumes there and ends bit-exact."""
+    how to resume; relaunched with --load it resumes there and ends bit-exact.
+
+    The same flush with one byte of rank 5's shard changed on disk: every rank finds out
+    before any loads, the flush is set aside, and every rank loads Megatron's checkpoint of
+    iteration 3 instead, redoes the iterations since and ends bit-exact (before: the start
+    ended with "unreadable ... delete latest.txt", and --max-restarts met it again)."""
     save = tmp_path / "ckpt"
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--save", str(save),
-            "--save-interval", "100"]
+            "--save-interval", "3"]
     launch = ["--nproc-per-node", "8", "--logical-nodes", "2"]
     first = run_launched(launch, args, tmp_path / "first", timeout_s=400, env=ENV,
                          term_at="iteration        4/")
@@ -222,8 +252,40 @@ def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
     flushed = [int(i) for i in FLUSHED.findall(out)]
     assert len(flushed) == 1 and flushed[0] >= 4, first.describe()
     assert f"relaunch with --load {save}" in out
+    damaged = tmp_path / "damaged"
+    shutil.copytree(save, damaged)
     _resumes_from_the_flush(launch, args, save, tmp_path / "second", flushed[0],
                             failure_free_8)
+    _damage_a_shard(damaged, flushed[0], rank=5)
+    args[args.index(str(save))] = str(damaged)
+    third = run_launched(launch, [*args, "--load", str(damaged)], tmp_path / "third",
+                         timeout_s=400, env=ENV)
+    _fell_back_to_the_checkpoint(third, damaged, flushed[0], 3, failure_free_8)
+
+
+def _damage_a_shard(save: Path, iteration: int, rank: int) -> None:
+    """One byte of `rank`'s flushed shard changed on disk, its metadata left whole."""
+    data = Path(flush.iteration_dir(str(save), iteration)) / f"rank_{rank:05d}.bin"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    data.write_bytes(bytes(blob))
+
+
+def _fell_back_to_the_checkpoint(run: JobResult, save: Path, flushed: int, checkpoint: int,
+                                 reference: JobResult) -> None:
+    """A start over a damaged flush: it is set aside, nothing of it is loaded, the job
+    redoes every iteration since the checkpoint and ends with `reference`'s fingerprint."""
+    assert run.ok, run.describe()
+    out = run.logs[0]
+    assert re.search(rf"the snapshot of iteration {flushed} flushed to \S+ cannot be loaded: "
+                     rf"rank 5: snapshot of iteration {flushed} fails its checksum", out), \
+        run.describe()
+    assert "cannot be loaded" in out and not LOADED.findall(out), run.describe()
+    assert f"checkpoint of iteration {checkpoint} instead" in out, run.describe()
+    assert min(int(i) for i in ITERATION.findall(out)) == checkpoint + 1, run.describe()
+    assert run.fingerprint == reference.fingerprint, run.describe()
+    assert (save / flush.ROOT / f"refused_iter_{flushed:07d}").is_dir()
+    assert not (save / flush.ROOT / flush.LATEST).exists()
 
 
 @pytest.mark.multiproc

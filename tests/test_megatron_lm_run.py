@@ -700,7 +700,7 @@ FLUSHED = re.compile(r"flushed the snapshot of iteration (\d+) to")
 
 def _stopped_then_resumed(tmp_path: Path, plain: JobResult, launch: list[str],
                           extra: list[str] = (), term_at: str | None = None,
-                          save_interval: int = 100
+                          save_interval: int = 100, keep_copy: Path | None = None
                           ) -> tuple[JobResult, JobResult, int, dict[str, list[int]]]:
     """Megatron's loop with --save, `save_interval` (by default no Megatron save within
     its 4 iterations) and `extra`, stopped by the scheduler (SIGTERM at `term_at`, or sent
@@ -708,7 +708,7 @@ def _stopped_then_resumed(tmp_path: Path, plain: JobResult, launch: list[str],
     Megatron's save if any, then the flushed snapshot, redoes no iteration before it and
     ends with the failure-free fingerprint and validation losses. Returns both runs, the
     flushed iteration, and which ranks wrote each flushed shard ("R", or "R (copy)" for a
-    buddy's stand-in copy)."""
+    buddy's stand-in copy). `keep_copy`: where the save is copied before the relaunch."""
     save, events = tmp_path / "ckpt", tmp_path / "events"
     args = [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(save), "--save-interval",
             str(save_interval), "--deadpool-events", str(events)]
@@ -718,6 +718,8 @@ def _stopped_then_resumed(tmp_path: Path, plain: JobResult, launch: list[str],
     flushed = [int(i) for i in FLUSHED.findall(first.output)]
     assert len(flushed) == 1 and flushed[0] >= 2, first.describe()
     assert (save / "latest_checkpointed_iteration.txt").exists() == (save_interval <= 4)
+    if keep_copy is not None:
+        shutil.copytree(save, keep_copy)
     second = run_launched(launch, [*args, "--load", str(save)], tmp_path / "second",
                           timeout_s=400, env=ENV, script=MEGATRON_GPT)
     assert second.ok and second.fingerprint == plain.fingerprint, second.describe()
@@ -746,15 +748,34 @@ def test_a_schedulers_sigterm_in_megatrons_loop_flushes_and_a_relaunch_resumes_t
     flushed snapshot over it (before, Megatron's loop flushed nothing and the relaunch redid
     every iteration since Megatron's last save), repositions its data iterators, and ends
     with the failure-free fingerprint and validation losses."""
+    launch = ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"]
+    damaged = tmp_path / "damaged"
     first, second, flushed, _ = _stopped_then_resumed(
-        tmp_path, plain, ["--nproc-per-node", "8", "--spares", "1", "--logical-nodes", "2"],
-        term_at="iteration        3/", save_interval=2)
+        tmp_path, plain, launch, term_at="iteration        3/", save_interval=2,
+        keep_copy=damaged)
     assert "SIGTERM: left to deadpool-launch" in first.output, first.describe()
     assert "exited with -15" not in first.output, first.describe()
     assert flushed >= 3 and f"relaunch with --load {tmp_path / 'ckpt'}" in first.output, \
         first.describe()
     assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 2\b",
                      second.output), second.describe()
+    # The same flush with one byte of rank 5's shard changed on disk: set aside, and every
+    # rank keeps the checkpoint pretrain() loaded (test_flush.py: our loop).
+    data = damaged / "deadpool_flush" / f"iter_{flushed:07d}" / "rank_00005.bin"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    data.write_bytes(bytes(blob))
+    third = run_launched(launch, [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(damaged),
+                                  "--save-interval", "2", "--load", str(damaged)],
+                         tmp_path / "third", timeout_s=400, env=ENV, script=MEGATRON_GPT)
+    assert third.ok and third.fingerprint == plain.fingerprint, third.describe()
+    assert f"the snapshot of iteration {flushed} flushed to {damaged} cannot be loaded: " \
+           f"rank 5: snapshot of iteration {flushed} fails its checksum; loading Megatron's " \
+           f"checkpoint of iteration 2 instead" in third.output, third.describe()
+    assert "loaded the snapshot of iteration" not in third.output, third.describe()
+    done = [int(i) for i in re.findall(r"iteration +(\d+)/ +4 \|", third.output)]
+    assert done and min(done) == 3, third.describe()
+    assert (damaged / "deadpool_flush" / f"refused_iter_{flushed:07d}").is_dir()
 
 
 @pytest.mark.fault_matrix

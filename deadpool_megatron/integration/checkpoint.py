@@ -17,6 +17,7 @@ import torch
 
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.integration.model import TrainingObjects
+from deadpool_megatron.integration.plain_gather import all_gather_plain
 from deadpool_megatron.integration.rng_state import get_rng_state, set_rng_state
 from deadpool_megatron.integration.optimizer_state import (
     allocate_optimizer_state,
@@ -57,29 +58,60 @@ def newer_flush(root: str | None, checkpoint: int | None) -> int | None:
     return None
 
 
-def load_flushed(state: LoopState, root: str, iteration: int,
-                 distributed_optimizer: bool) -> None:
+def load_flushed(state: LoopState, root: str, iteration: int, distributed_optimizer: bool,
+                 instead: str) -> bool:
     """This rank's shard of the snapshot a flush wrote into `state` (its objects, iteration
     and data positions): in our loop and in Megatron's alike, over whatever the loop built
-    or loaded before."""
+    or loaded before (`instead` says what: Megatron's checkpoint, or nothing). Collective:
+    every rank reads and checks its shard before any writes one, and they agree.
+
+    A shard damaged on disk (unreadable, or failing its checksum) on any rank: the flush is
+    set aside (flush.set_aside) and every rank keeps `instead`, returning False. The job
+    then redoes the iterations since that checkpoint, deterministically, to the same result:
+    time is lost, no state. A shard of another layout or model (a relaunch with other
+    flags) ends the start on every rank with the reason, and the flush stays: the fix is
+    the command line, and the flush holds the newest state."""
     from deadpool_megatron.snapshot import flush
-    from deadpool_megatron.snapshot.restore import SnapshotMismatch, restore_shard
+    from deadpool_megatron.snapshot.restore import (
+        SnapshotDamaged,
+        SnapshotMismatch,
+        apply_shard,
+        check_shard,
+    )
 
     rank = torch.distributed.get_rank()
-    slot = flush.read_shard(root, iteration, rank)
+    problem: dict[str, str] | None = None
     try:
-        objects = restore_shard(state.objects, slot, distributed_optimizer)
+        slot = flush.read_shard(root, iteration, rank)
+        manifest, objects = check_shard(state.objects, slot, distributed_optimizer)
+    except (flush.FlushError, SnapshotDamaged) as err:
+        problem = {"damaged": str(err)}
     except SnapshotMismatch as err:
+        problem = {"mismatch": str(err)}
+    problems = {r: p for r, p in enumerate(all_gather_plain(problem)) if p is not None}
+    mismatched = {r: p["mismatch"] for r, p in problems.items() if "mismatch" in p}
+    if mismatched:
+        first = min(mismatched)
         raise flush.FlushError(
-            f"rank {rank}: {err}; relaunch with the parallel layout and model it was flushed "
-            f"with, or delete {os.path.join(root, flush.ROOT, flush.LATEST)} to load the "
-            f"newest Megatron checkpoint instead") from None
+            f"rank {first}: {mismatched[first]} (ranks {sorted(mismatched)}); relaunch with "
+            f"the parallel layout and model it was flushed with, or delete "
+            f"{os.path.join(root, flush.ROOT, flush.LATEST)} to load {instead}")
+    if problems:
+        if rank == 0:
+            aside = flush.set_aside(root, iteration)
+            log.error("the snapshot of iteration %d flushed to %s cannot be loaded: %s; "
+                      "loading %s instead (the flush is kept as %s)", iteration, root,
+                      "; ".join(f"rank {r}: {p['damaged']}" for r, p in problems.items()),
+                      instead, aside)
+        return False
+    apply_shard(state.objects, manifest, slot, objects)
     state.iteration = int(objects["iteration"])
     state.consumed_samples = int(objects["consumed_samples"])
     state.valid_consumed = int(objects.get("valid_consumed", 0))
     if rank == 0:
         log.info("loaded the snapshot of iteration %d flushed to %s", state.iteration,
                  flush.iteration_dir(root, iteration))
+    return True
 
 
 def restore_adam_steps(optimizer: Any, loaded_optimizer_state: dict[str, Any]) -> None:
@@ -266,8 +298,10 @@ class Checkpointer:
         assert root is not None
         iteration = latest_iteration(root)
         flushed = newer_flush(root, iteration)
-        if flushed is not None:
-            load_flushed(state, root, flushed, self.cfg.use_distributed_optimizer)
+        instead = f"the checkpoint of iteration {iteration}" if iteration is not None \
+            else "nothing: starting from scratch"
+        if flushed is not None and load_flushed(state, root, flushed,
+                                                self.cfg.use_distributed_optimizer, instead):
             return True
         if iteration is None:
             if torch.distributed.get_rank() == 0:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from deadpool_megatron.integration.optimizer_state import iter_optimizer_tensors
-from deadpool_megatron.integration.plain_gather import all_gather_plain
+from deadpool_megatron.integration.plain_gather import all_gather_plain, collective_device
 
 
 def _hash_tensor(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
@@ -59,6 +59,6 @@ def job_param_norm(model: list[Any], group: Any = None) -> float:
     end with norms that agree to many digits, where fingerprints differ entirely."""
     local = sum(float(p.detach().double().pow(2).sum()) for chunk in model
                 for p in chunk.parameters())
-    total = torch.tensor([local], dtype=torch.float64)
+    total = torch.tensor([local], dtype=torch.float64, device=collective_device(group))
     torch.distributed.all_reduce(total, group=group)
     return float(total.sqrt())

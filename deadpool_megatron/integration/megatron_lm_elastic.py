@@ -428,15 +428,18 @@ class MegatronSession(NotWalked):
     def _load_flushed(margs: argparse.Namespace, state: LoopState) -> bool:
         """After pretrain() loaded Megatron's newest checkpoint under --load (or none), the
         snapshot a flush wrote there if it is newer (a scheduler's stop, or a hot-swap
-        that was impossible, flushed it); whether one was loaded."""
+        that was impossible, flushed it); whether one was loaded (not where a rank found
+        its shard damaged: the checkpoint stays, load_flushed)."""
         from deadpool_megatron.integration.checkpoint import load_flushed, newer_flush
 
         checkpoint = int(margs.iteration) if margs.iteration else None
         flushed = newer_flush(margs.load, checkpoint)
         if flushed is None:
             return False
-        load_flushed(state, margs.load, flushed, bool(margs.use_distributed_optimizer))
-        return True
+        instead = f"Megatron's checkpoint of iteration {checkpoint}" if checkpoint \
+            else "nothing: starting from scratch"
+        return load_flushed(state, margs.load, flushed, bool(margs.use_distributed_optimizer),
+                            instead)
 
     def hooks(self) -> list[TrainingHooks]:
         """This generation's hooks (training/driver.generation_hooks), and in generation 0

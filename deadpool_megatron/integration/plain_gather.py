@@ -16,24 +16,33 @@ class BadPeerData(RuntimeError):
     """A peer's contribution is not the plain data this collective expects."""
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """Where a small tensor for a collective over `group` must live: an NCCL group (a GPU
+    job's default group) moves CUDA tensors only, gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_plain(value: Any, group: Any = None) -> list[Any]:
     """Every rank's `value` (JSON-encodable), in group rank order. Two collectives: the
     lengths, then the bytes padded to the longest."""
     data = json.dumps(value, separators=(",", ":")).encode()
     world = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    device = collective_device(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     longest = max(int(n) for n in lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(received, mine, group=group)
+    received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(received, mine.to(device), group=group)
     out = []
     for rank, (n, buf) in enumerate(zip(lengths, received)):
         try:
-            out.append(json.loads(bytes(buf[:int(n)].tolist()).decode()))
+            out.append(json.loads(bytes(buf[:int(n)].cpu().tolist()).decode()))
         except (UnicodeDecodeError, ValueError) as err:
             raise BadPeerData(f"group rank {rank} sent {int(n)} bytes that are not plain "
                               f"data ({err})") from None

@@ -10,7 +10,8 @@ Each file is written under a temporary name and renamed, so a file that exists i
 Host 0 then commits the newest iteration for which every rank's file exists and verifies,
 by writing `deadpool_flush/latest.txt` (again: write, then rename). Until then the job's
 newest checkpoint is untouched, and `--load` picks whichever of the two is newer
-(integration/checkpoint.py).
+(integration/checkpoint.py); a flush that some rank finds damaged at the load is set aside
+(`set_aside`) and every rank loads the checkpoint instead.
 
 A flush is raw shard bytes, not a Megatron dist_checkpointing checkpoint: it must be
 written within a scheduler's grace period by each rank alone (a partial world cannot run
@@ -35,7 +36,7 @@ _ITER = re.compile(r"^iter_(\d{7})$")
 
 
 class FlushError(RuntimeError):
-    """A flushed snapshot that cannot be used; the message says what to do."""
+    """A flushed snapshot that cannot be used, and why."""
 
 
 def iteration_dir(save: str, iteration: int) -> str:
@@ -108,9 +109,7 @@ def read_shard(save: str, iteration: int, rank: int, resolve: bool = True) -> Sl
             raise ValueError("its metadata does not match its data")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise FlushError(f"flushed shard of rank {rank} at iteration {iteration} under "
-                         f"{iteration_dir(save, iteration)} is unreadable ({err}); delete "
-                         f"{os.path.join(save, ROOT, LATEST)} to load the newest Megatron "
-                         f"checkpoint instead") from None
+                         f"{iteration_dir(save, iteration)} is unreadable ({err})") from None
     flat = torch.empty(flat_bytes, dtype=torch.uint8)
     stored = flat_bytes - split
     if stored:  # none where every tensor byte is replicated (a plain optimizer's shard)
@@ -133,8 +132,7 @@ def _take_region_from_source(save: str, slot: Slot, rank: int, partial: dict) ->
                       int(partial["unique_crc"]), partial=True, chunk=int(partial["chunk"]))
     if unique_checksum(slot.flat, split, slot.table, slot.objects) != slot.crc:
         raise FlushError(f"flushed shard of rank {rank} at iteration {slot.iteration} does not "
-                         f"match its checksum; delete {os.path.join(save, ROOT, LATEST)} to "
-                         f"load the newest Megatron checkpoint instead")
+                         f"match its checksum")
     try:
         origin = read_shard(save, slot.iteration, source, resolve=False)
         if origin.partial or origin.flat.numel() < split:
@@ -145,9 +143,7 @@ def _take_region_from_source(save: str, slot: Slot, rank: int, partial: dict) ->
     except (FlushError, ReplicaMismatch, ValueError) as err:
         raise FlushError(f"flushed shard of rank {rank} at iteration {slot.iteration} holds "
                          f"only its unique bytes, and its replicated region could not be "
-                         f"taken from rank {source}'s shard ({err}); delete "
-                         f"{os.path.join(save, ROOT, LATEST)} to load the newest Megatron "
-                         f"checkpoint instead") from None
+                         f"taken from rank {source}'s shard ({err})") from None
 
 
 def complete_iterations(save: str, world: int) -> list[int]:
@@ -200,3 +196,24 @@ def latest(save: str) -> int | None:
         raise FlushError(f"{path} is corrupt (holds {text!r}); delete it to load the newest "
                          f"Megatron checkpoint instead")
     return int(text)
+
+
+REFUSED = "refused_iter_{:07d}"
+
+
+def set_aside(save: str, iteration: int) -> str:
+    """A committed flush that cannot be loaded (a shard damaged on disk) is unmarked, so
+    that no later start loads it again and a later flush, even of an older iteration,
+    commits; its directory is kept for inspection as `refused_iter_NNNNNNN` (never pruned:
+    `commit` drops `iter_` directories only). Renamed before the marker goes: a crash in
+    between leaves a marker without its directory, which every rank finds unreadable and
+    sets aside again. Returns the directory it was moved to."""
+    root = os.path.join(save, ROOT)
+    dest = os.path.join(root, REFUSED.format(iteration))
+    if os.path.isdir(iteration_dir(save, iteration)):
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(iteration_dir(save, iteration), dest)
+    marker = os.path.join(root, LATEST)
+    if os.path.exists(marker) and open(marker).read().strip() == str(iteration):
+        os.remove(marker)
+    return dest

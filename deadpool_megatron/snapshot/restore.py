@@ -22,6 +22,10 @@ class SnapshotMismatch(RuntimeError):
     """The snapshot does not fit this rank's model/optimizer; refusing to load it."""
 
 
+class SnapshotDamaged(SnapshotMismatch):
+    """The snapshot's bytes fail their checksum (a copy read back from disk that changed)."""
+
+
 def capture_objects(manifest: Manifest, objs: TrainingObjects, iteration: int,
                     consumed_samples: int, valid_consumed: int = 0) -> bytes:
     """The small state at an iteration boundary, pickled (RNG tensors are copies)."""
@@ -45,11 +49,13 @@ def rewind_rng(objects_blob: bytes) -> dict[str, Any]:
     return objects
 
 
-def restore_shard(objs: TrainingObjects, slot: Slot, distributed_optimizer: bool) -> dict[str, Any]:
-    """Load `slot` into `objs` (a slot not verified when written, e.g. read back from disk,
-    is checksummed here); returns its small objects."""
+def check_shard(objs: TrainingObjects, slot: Slot,
+                distributed_optimizer: bool) -> tuple[Manifest, dict[str, Any]]:
+    """Everything `restore_shard` checks, before it writes anything: the slot's checksum (a
+    slot not verified when written, e.g. read back from disk) and its layout against this
+    rank's objects. Returns the manifest and the small objects, for `apply_shard`."""
     if not slot.check():
-        raise SnapshotMismatch(f"snapshot of iteration {slot.iteration} fails its checksum")
+        raise SnapshotDamaged(f"snapshot of iteration {slot.iteration} fails its checksum")
     allocate_optimizer_state(objs.optimizer)
     manifest = build_manifest(objs.model, objs.optimizer, distributed_optimizer)
     objects = unpack_objects(slot.objects)
@@ -57,8 +63,20 @@ def restore_shard(objs: TrainingObjects, slot: Slot, distributed_optimizer: bool
         raise SnapshotMismatch(
             f"snapshot of iteration {slot.iteration} was taken from a different model or "
             f"optimizer layout ({slot.flat.numel()} bytes vs {manifest.nbytes} here)")
+    return manifest, objects
+
+
+def apply_shard(objs: TrainingObjects, manifest: Manifest, slot: Slot,
+                objects: dict[str, Any]) -> None:
+    """Write a checked slot (`check_shard`) into `objs`: tensors, scheduler, RNG."""
     restore_from(manifest, slot.flat)
     objs.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved steps
     objs.scheduler.load_state_dict(objects["scheduler"])
     set_rng_state(objects["rng"])
+
+
+def restore_shard(objs: TrainingObjects, slot: Slot, distributed_optimizer: bool) -> dict[str, Any]:
+    """Load `slot` into `objs` once `check_shard` passes; returns its small objects."""
+    manifest, objects = check_shard(objs, slot, distributed_optimizer)
+    apply_shard(objs, manifest, slot, objects)
     return objects

@@ -12,6 +12,7 @@ import torch
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.hooks import HookChain, LoopState, TrainingHooks
 from deadpool_megatron.integration.data import MicrobatchIterator
+from deadpool_megatron.integration.plain_gather import collective_device
 from deadpool_megatron.integration.step import StepResult, train_step
 from deadpool_megatron.replay.plan import OWN_MICROBATCHES, MicrobatchWork
 
@@ -23,9 +24,11 @@ def _log_iteration(cfg: TrainConfig, state: LoopState, result: StepResult, lr: f
     """Megatron's iteration line, printed by the last pipeline stage's first DP rank."""
     from megatron.core import parallel_state as ps
 
-    loss = torch.tensor([result.loss if result.loss is not None else 0.0], dtype=torch.float64)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    loss = torch.tensor([result.loss if result.loss is not None else 0.0], dtype=torch.float64,
+                        device=collective_device(group))
     if ps.is_pipeline_last_stage():
-        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+        torch.distributed.all_reduce(loss, group=group)
         loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
     if not (ps.is_pipeline_last_stage() and ps.get_data_parallel_rank() == 0
             and ps.get_tensor_model_parallel_rank() == 0):

@@ -14,6 +14,7 @@ import torch
 
 from deadpool_megatron.config import ConfigError, TrainConfig, parse_configs
 from deadpool_megatron.ft_config import DeadPoolConfig
+from deadpool_megatron.integration.plain_gather import collective_device
 
 if TYPE_CHECKING:
     from deadpool_megatron.integration.device import ProcessDevice
@@ -206,7 +207,7 @@ def _log_param_changes(objs, initial: list) -> None:
     """Count, over all ranks, the parameter tensors that differ from their initial values."""
     current = [p.detach() for chunk in objs.model for p in chunk.parameters()]
     counts = torch.tensor([sum(not torch.equal(a, b) for a, b in zip(initial, current)),
-                           len(current)], dtype=torch.int64)
+                           len(current)], dtype=torch.int64, device=collective_device())
     torch.distributed.all_reduce(counts)
     if torch.distributed.get_rank() == 0:
         print(f"parameters changed: {int(counts[0])} of {int(counts[1])}", flush=True)
