@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,31 @@ def test_a_snapshot_worker_gloo_never_frees_is_given_up_and_its_rank_goes_on(
     assert "rank 3: the snapshot worker did not stop within 5 s of its connections being " \
            "cut; going on without it" in run.output, run.describe()
     assert "megatron_faults.py" in run.output  # where it was held, in the warning
+
+
+@pytest.mark.fault_matrix
+def test_a_restore_transfer_no_cut_frees_is_left_behind_and_its_rank_goes_on(
+        tmp_path: Path, failure_free_8: JobResult) -> None:
+    """Rank 5 is killed in iteration 4; the spare that takes it blocks forever in its
+    restore transfer (as gloo leaves a receive whose bytes had begun to move when its
+    connection broke), and rank 6 is killed meanwhile. The newer declaration leaves the
+    spare's transfer, and its buddy's, behind; both go on to the next generation, where the
+    spare restores rank 5 after all: declared [[5], [6]], no hang, the run bit-exact
+    (before, the spare stayed in the transfer until the hang analysis replaced it: a spare
+    spent on a healthy process, and with none left, hot-swap ended)."""
+    spare_log = tmp_path / "workers" / "epoch0" / "s0.0.log"
+    with signal_worker_when(spare_log, "test fault: block in restore", "w6") as killed:
+        run, events = _launch(tmp_path, ["--deadpool-inject",
+                                         "kill rank=5 iter=4 phase=backward"],
+                              env={MEGATRON_FAULT: "block worker=s0.0 at=restore"})
+    assert killed and run.ok and run.fingerprint == failure_free_8.fingerprint, \
+        run.describe()
+    assert _declared(events) == [[5], [6]], run.describe()
+    assert "spare s0.0 takes rank 5" in run.output, run.describe()
+    assert re.search(r"generation 1 was superseded while making the restore transfers with "
+                     r"buddy \d+ and ward \d+, still waiting in it", run.output), run.describe()
+    assert not [e for e in events if e["event"] == "hang_localized"], run.describe()
+    assert "hot-swap impossible" not in run.output, run.describe()
 
 
 @pytest.mark.fault_matrix

@@ -51,6 +51,11 @@ that started as that rank (a spare taking the rank later is not affected):
                                         buddy: a worker that cutting its connections does
                                         not free
 
+    "block worker=s0.0 at=restore"      the worker named s0.0 (a spare) blocks forever (the
+                                        GIL released) in its 1st restore transfer (its
+                                        shard from its buddy, moves.exchange): a transfer
+                                        that cutting its connections does not free
+
     "block worker=s0.0 at=build"        the worker named s0.0 (a spare) blocks forever as it
                                         builds a GPT model (GPTModel's constructor): a spare
                                         hung while it builds the failed rank's objects alone
@@ -87,7 +92,7 @@ ERRORS = {"illegal": CUDA_ERROR, "ecc": ECC_ERROR}  # error=...: what `raise` ra
 class MegatronFault:
     action: str  # raise, nan, kill, block, gil, stop, sleep
     ranks: tuple[int, ...]  # (ALL,): every rank
-    at: str  # forward, backward, save, gloo, pair, fetch, ack, build
+    at: str  # forward, backward, save, gloo, pair, fetch, ack, restore, build
     call: int = 1
     seconds: float = 0.0
     iteration: int = 0  # a fault of the work: fires in iteration N in the rank's holder
@@ -282,6 +287,10 @@ def install_from_env() -> MegatronFault | None:
         from deadpool_megatron.snapshot import engine
 
         engine.acknowledge = _failing(fault, engine.acknowledge)
+    elif fault.at == "restore":
+        from deadpool_megatron.snapshot import moves
+
+        moves.exchange = _failing(fault, moves.exchange)
     elif fault.at == "save":
         from megatron.core import dist_checkpointing
 

@@ -113,6 +113,6 @@ class Forming:
         if raised and not done.wait(SETTLE_S):
             self.left_behind = thread
             log.warning("generation %d was superseded while making %s, still waiting in it "
-                        "%.1f s later (a peer died during the creation): left behind",
+                        "%.1f s later (a peer died meanwhile): left behind",
                         self.generation, what, self.grace_s)
         raise FormingAbandoned(f"generation {self.generation} superseded while making {what}")

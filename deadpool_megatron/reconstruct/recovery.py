@@ -587,17 +587,26 @@ def restore_to(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> No
 def _move_shards(member: Member, plan: RecoveryPlan, shard_bytes: list[int]) -> None:
     """Round 1: each buddy streams its copy of the target to the rank that needs it.
     Round 2: each such rank gets a copy of its ward's shard back, so the ring is whole
-    again before the next snapshot commits."""
+    again before the next snapshot commits.
+
+    Each round runs as the generation's group creations do (forming.py), so that a newer
+    declaration leaves it behind: gloo does not fail a send or receive whose bytes had
+    begun to move when its connection broke, and a rank held in one waited out its pair
+    group's timeout (--deadpool-snapshot-timeout) until the hang analysis replaced it, a
+    spare spent on a healthy process."""
     engine, rank, t = member.engine, member.rank, plan.target
     rpn = member.ft.ranks_per_node(member.world)
     allow = member.ft.deadpool_allow_same_node_buddy
     buddy = buddy_of(rank, member.world, rpn, allow)
     ward = ward_of(rank, member.world, rpn, allow)
-    incoming = engine.swap_for_restore(t, to_ward=plan.restore[ward] == "buddy",
-                                       from_buddy=plan.restore[rank] == "buddy")
+    incoming = member.forming.run(lambda: engine.swap_for_restore(
+        t, to_ward=plan.restore[ward] == "buddy", from_buddy=plan.restore[rank] == "buddy"),
+        f"the restore transfers with buddy {buddy} and ward {ward}")
     _take_replicated(member, plan, incoming)
-    engine.refill_ring(t, to_buddy=plan.refill_ward[buddy],
-                       ward_nbytes=shard_bytes[ward] if plan.refill_ward[rank] else None)
+    member.forming.run(lambda: engine.refill_ring(
+        t, to_buddy=plan.refill_ward[buddy],
+        ward_nbytes=shard_bytes[ward] if plan.refill_ward[rank] else None),
+        f"the ring's refill with buddy {buddy} and ward {ward}")
 
 
 def _take_replicated(member: Member, plan: RecoveryPlan, incoming: Any) -> None:

@@ -164,8 +164,9 @@ def exchange(links: Mapping[int, Any], outgoing: Slot | None, buddy: int,
                 crc = crc_update(crc, received)
                 crc_s += time.perf_counter() - t0
     except RuntimeError as err:
-        if incoming is not None:
-            incoming.iteration = -1
+        # `incoming` is left as it was marked above (iteration -1), and nothing more is
+        # written to it: a recovery's transfer left waiting by gloo (reconstruct/forming.py)
+        # wakes here at its group's timeout, after a later generation may have reused it.
         if isinstance(err, TornTransfer):
             raise
         raise TornTransfer(f"transfer with buddy {buddy} / ward {ward} failed: {err}") from err
