@@ -519,6 +519,24 @@ def test_a_snapshot_worker_gloo_never_frees_in_megatrons_loop_is_given_up_not_it
            "cut; going on without it" in job.output, job.describe()
 
 
+@pytest.mark.fault_matrix
+def test_a_restore_transfer_no_cut_frees_in_megatrons_loop_is_left_behind(
+        plain, tmp_path: Path) -> None:
+    """As test_real_failures' test of the same shape, in Megatron's loop: rank 5 is killed
+    in iteration 2, the spare that takes it blocks forever in its restore transfer, and rank
+    6 is killed meanwhile. The transfer is left behind, the spare restores rank 5 in the
+    next generation, and the run ends bit-exact with no hang declared."""
+    spare_log = tmp_path / "launch" / "workers" / "epoch0" / "s0.0.log"
+    with signal_worker_when(spare_log, "test fault: block in restore", "w6") as killed:
+        job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=5 iter=2 phase=backward"],
+                                spares=2, env={MEGATRON_FAULT: "block worker=s0.0 at=restore"})
+    assert killed and job.ok and job.fingerprint == plain.fingerprint, job.describe()
+    declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
+    assert declared == [[5], [6]], job.describe()
+    assert "superseded while making the restore transfers" in job.output, job.describe()
+    assert not [e for e in events if e["event"] == "hang_localized"], job.describe()
+
+
 # TP2 x DP4: each rank's parameters are held by three data-parallel peers, two of them on
 # the other node (rank 2's: 4, then 6, then 0).
 MODEL_DP4 = [*MODEL]
