@@ -17,7 +17,7 @@ from conftest import GPT_3D_ARGS
 from deadpool_megatron.metrics.timeline import load_events
 from deadpool_megatron.snapshot import flush
 from deadpool_megatron.snapshot.buffers import Slot, checksum
-from deadpool_megatron.testing.jobs import JobResult, run_launched
+from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 from deadpool_megatron.testing.signals import sigterm_the_launcher, signal_worker_when
 
 ITERS = 8
@@ -183,17 +183,25 @@ def test_two_partial_copies_that_name_each_other_are_never_complete(tmp_path: Pa
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("optimizer", [
+    "distributed", pytest.param("plain", marks=pytest.mark.fault_matrix)])
 def test_spares_exhausted_restart_from_the_flushed_snapshot(
-        tmp_path: Path, failure_free_8: JobResult) -> None:
+        tmp_path: Path, failure_free_8: JobResult, optimizer: str) -> None:
     """One spare, two failures, a --save-interval longer than the run (so no checkpoint):
     the second failure (iteration 6) flushes snapshot 5, held by survivors and, for the
     lost rank 1, by its buddy (the spare that took rank 3, refilled at its recovery); the job
     restarts from it, redoes iteration 6 only, and ends bit-exact. Four logical nodes of two
     ranks put rank 1's data-parallel peer 3 on another node: rank 3 is both its buddy and
     its replica source, so the buddy holds (and flushes) only rank 1's unique bytes and the
-    load takes the replicated region from rank 3's own flushed shard."""
+    load takes the replicated region from rank 3's own flushed shard. With a plain
+    optimizer every tensor byte of a shard is replicated: the buddy's copy holds none."""
+    model = GPT_3D_ARGS if optimizer == "distributed" else \
+        [a for a in GPT_3D_ARGS if a != "--use-distributed-optimizer"]
+    reference = failure_free_8 if optimizer == "distributed" else run_job(
+        8, [*model, "--train-iters", str(ITERS)], tmp_path / "reference", timeout_s=300)
+    assert reference.ok, reference.describe()
     save, events = tmp_path / "ckpt", tmp_path / "events"
-    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+    args = [*model, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
             str(events), "--save", str(save), "--save-interval", "100",
             "--deadpool-inject", "kill rank=3 iter=3 phase=backward",
             "--deadpool-inject", "kill rank=1 iter=6 phase=backward wait=commit"]
@@ -201,7 +209,7 @@ def test_spares_exhausted_restart_from_the_flushed_snapshot(
                        args, tmp_path, timeout_s=500, env=ENV)
     out = run.logs[0]
     assert run.returncodes == [0] and not run.timed_out, run.describe()
-    assert run.fingerprint == failure_free_8.fingerprint, run.describe()
+    assert run.fingerprint == reference.fingerprint, run.describe()
     assert "hot-swap impossible" in out, run.describe()
     assert [int(i) for i in FLUSHED.findall(out)] == [5], run.describe()
     assert [int(i) for i in LOADED.findall(out)] == [5], run.describe()
@@ -215,6 +223,7 @@ def test_spares_exhausted_restart_from_the_flushed_snapshot(
     # Its buddy held only its unique bytes: the region came from its DP source's shard.
     meta = json.loads((Path(flush.iteration_dir(str(save), 5)) / "rank_00001.json").read_text())
     assert meta["partial"]["source"] == 3, meta
+    assert (meta["partial"]["split"] == meta["flat_bytes"]) == (optimizer == "plain"), meta
 
 
 def _resumes_from_the_flush(launch: list[str], args: list[str], save: Path, log_dir: Path,
