@@ -508,14 +508,14 @@ def test_a_snapshot_worker_gloo_never_frees_in_megatrons_loop_is_given_up_not_it
         plain, tmp_path: Path) -> None:
     """As test_real_failures' test of the same shape, in Megatron's loop: rank 3's snapshot
     worker blocks forever in snapshot 1's acknowledgement, and rank 5 is killed in iteration
-    2. Rank 3 gives its worker up 5 s after the cut and goes on: only rank 5 is replaced,
-    and the run ends bit-exact."""
+    2. Rank 3 gives up its worker, waiting on its buddy, 1 s after the cut and goes on:
+    only rank 5 is replaced, and the run ends bit-exact."""
     job, events = _hot_swap(tmp_path, MEGATRON_GPT, ["kill rank=5 iter=2 phase=backward"],
                             spares=2, env={MEGATRON_FAULT: "block rank=3 at=ack call=2"})
     assert job.ok and job.fingerprint == plain.fingerprint, job.describe()
     declared = [e["failed_ranks"] for e in events if e["event"] == "generation_declared"]
     assert declared == [[5]], job.describe()
-    assert "rank 3: the snapshot worker did not stop within 5 s of its connections being " \
+    assert "rank 3: the snapshot worker did not stop within 1 s of its connections being " \
            "cut; going on without it" in job.output, job.describe()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -80,6 +81,27 @@ def test_a_worker_not_ended_in_its_stop_time_is_given_up_with_the_slot_it_fills(
     ended.filling = (buf, kept)  # it ended: whatever it filled, it finished
     assert SnapshotEngine.stop_worker(ended, 1.0) and not ended.given_up
     assert buf.slots[0] is kept
+
+
+def test_a_worker_waiting_on_a_peer_is_given_up_after_the_wire_grace_not_the_stop_time(
+        ) -> None:
+    """stop_worker: a worker waiting on its buddy or ward when the connections were cut is
+    given up once the (short) wire grace is over; a worker copying gets the whole stop
+    time, and one that leaves the wire meanwhile is waited for as a copying one."""
+    from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
+
+    release = threading.Event()
+    on_wire = _Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True),
+                        on_wire=True)
+    on_wire.thread.start()
+    t0 = time.monotonic()
+    assert not SnapshotEngine.stop_worker(on_wire, 30.0, wire_grace_s=0.1)
+    assert on_wire.given_up and time.monotonic() - t0 < 5.0
+    copying = _Pipeline(links={}, thread=threading.Thread(target=lambda: release.wait(0.4),
+                                                          daemon=True))
+    copying.thread.start()
+    assert SnapshotEngine.stop_worker(copying, 30.0, wire_grace_s=0.1)  # ended at 0.4 s
+    release.set()
 
 
 def test_commit_checks_the_generation_and_crc_detects_a_flipped_bit() -> None:

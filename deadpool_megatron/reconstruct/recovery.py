@@ -282,7 +282,9 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
     pipe = member.engine.abandon()
     severed += cut()
     laps("severed")
+    waiting_since = time.monotonic()
     worker_stopped = member.engine.stop_worker(pipe, STOP_TIMEOUT_S)
+    worker_s = time.monotonic() - waiting_since
     if not stopped and training.join(LATE_S):  # late, but stopped: nothing of it runs on
         log.warning("rank %d: the training thread stopped %.1f s after it was asked to; "
                     "it was at:\n%s", member.rank, time.monotonic() - asked, where)
@@ -296,7 +298,7 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
         # rank more, a spare spent, for a send gloo never failed.)
         log.warning("rank %d: the snapshot worker did not stop within %.0f s of its "
                     "connections being cut; going on without it (it ends at its group's "
-                    "timeout), at:\n%s", member.rank, STOP_TIMEOUT_S, _held_at(held))
+                    "timeout), at:\n%s", member.rank, worker_s, _held_at(held))
         held = {}
     if flushing and held:
         # A flush needs only the snapshots held complete in host memory, which neither
@@ -307,7 +309,9 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
         # found one rank's worker still in it after 5 s, and nothing was flushed.)
         log.error("rank %d: %s did not stop within %.0f s of its connections being cut; "
                   "flushing this rank's snapshots without %s, at:\n%s", member.rank,
-                  " and ".join(held), STOP_TIMEOUT_S, "them" if len(held) > 1 else "it",
+                  " and ".join(held),
+                  STOP_TIMEOUT_S if "the training thread" in held else worker_s,
+                  "them" if len(held) > 1 else "it",
                   _held_at(held))
         member.events.emit("abort", generation=member.generation, severed=severed,
                            thread_stopped=stopped, worker_stopped=worker_stopped,

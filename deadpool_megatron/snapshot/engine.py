@@ -63,6 +63,9 @@ log = logging.getLogger("deadpool_megatron.snapshot")
 MB = 1 << 20
 SNAPSHOT_GROUP = "DEADPOOL_SNAPSHOT_GROUP"
 OWN_SLOTS = 3  # pairwise commits: see the module docstring
+# A worker still waiting on its buddy or ward this long after its connections were cut is
+# given up: a wait the cut can end has ended by then (stop_worker).
+WIRE_GRACE_S = 1.0
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -136,6 +139,7 @@ class _Pipeline:
     abandoned: bool = False
     given_up: bool = False  # its worker did not end within its stop time (stop_worker)
     filling: tuple[DoubleBuffer, Slot] | None = None  # the slot its worker writes now
+    on_wire: bool = False  # its worker waits on its buddy or ward (a transfer, an ack)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -264,9 +268,14 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         return pipe
 
     @staticmethod
-    def stop_worker(pipe: _Pipeline | None, timeout_s: float) -> bool:
-        """Wait for an abandoned pipeline's worker to end; True if it did. Its error is kept
-        without frames (metrics/errors.py).
+    def stop_worker(pipe: _Pipeline | None, timeout_s: float,
+                    wire_grace_s: float = WIRE_GRACE_S) -> bool:
+        """Wait for an abandoned pipeline's worker to end (its connections already cut);
+        True if it did. Its error is kept without frames (metrics/errors.py). A worker
+        copying gets `timeout_s`; one waiting on its buddy or ward only `wire_grace_s`:
+        the cut fails such a wait at once where gloo can fail it, and where it cannot, the
+        wait lasts its group's timeout, which waiting longer here only adds to the
+        recovery (a kill lands inside a transfer whenever shards take long to stream).
 
         One that does not is given up, and harmless: the slot it writes (its own shard's
         copy, or the ward's) is replaced (DoubleBuffer.orphan), so a copy that ends after
@@ -278,7 +287,12 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         failure", step 4)."""
         if pipe is None or pipe.thread is None:
             return True
-        pipe.thread.join(timeout_s)
+        t0 = time.monotonic()
+        while pipe.thread.is_alive():
+            waited = time.monotonic() - t0
+            if waited >= timeout_s or (pipe.on_wire and waited >= wire_grace_s):
+                break
+            pipe.thread.join(min(0.02, timeout_s - waited))
         if pipe.failure is not None:
             without_frames(pipe.failure)
         if not pipe.thread.is_alive():
@@ -571,6 +585,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             self._flip(own, wire)  # on the wire only: undone below, own CRC stays right
         t0 = time.perf_counter()
         try:
+            pipe.on_wire = True
             self.stats.verify_s += exchange(
                 links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
                 after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration),
@@ -579,6 +594,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             if not pipe.given_up:
                 self._report_torn(job.iteration, err)
         finally:
+            pipe.on_wire = False
             pipe.filling = None
             if corrupt:
                 self._flip(own, wire)
@@ -588,8 +604,12 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             + len(own.objects) + (4 * len(own.table) if skip else 0)
         received = incoming.iteration == job.iteration and incoming.verified
         t0 = time.perf_counter()
-        acked = acknowledge(links, job.iteration if received else -1, self.ward,
-                            self.buddy) == job.iteration
+        pipe.on_wire = True
+        try:
+            acked = acknowledge(links, job.iteration if received else -1, self.ward,
+                                self.buddy) == job.iteration
+        finally:
+            pipe.on_wire = False
         self._raise_if_given_up(pipe, job)
         self.stats.commit_s += time.perf_counter() - t0
         # Pairwise: the ward's copy is committed here once it verified; the own shard once
