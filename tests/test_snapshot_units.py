@@ -71,9 +71,13 @@ def test_a_worker_not_ended_in_its_stop_time_is_given_up_with_the_slot_it_fills(
     held = _Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True))
     filling = buf.begin_write()
     held.filling = (buf, filling)
+    own = DoubleBuffer.allocate(16)
+    flipped = own.begin_write()  # an injected corruption it would undo once its wait ends
+    held.flipped = (own, flipped)
     held.thread.start()
     assert not SnapshotEngine.stop_worker(held, 0.05) and held.given_up
     assert all(slot is not filling for slot in buf.slots)
+    assert all(slot is not flipped for slot in own.slots)
     release.set()
     ended = _Pipeline(links={}, thread=threading.Thread(target=lambda: None))
     ended.thread.start()

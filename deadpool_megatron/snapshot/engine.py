@@ -140,6 +140,8 @@ class _Pipeline:
     given_up: bool = False  # its worker did not end within its stop time (stop_worker)
     filling: tuple[DoubleBuffer, Slot] | None = None  # the slot its worker writes now
     on_wire: bool = False  # its worker waits on its buddy or ward (a transfer, an ack)
+    flipped: tuple[DoubleBuffer, Slot] | None = None  # an own slot an injected corruption
+    # holds changed until the transfer ends (`_flip`)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -298,10 +300,10 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         if not pipe.thread.is_alive():
             return True
         pipe.given_up = True
-        filling = pipe.filling
-        if filling is not None:
-            buffer, slot = filling
-            buffer.orphan(slot)
+        for held in (pipe.filling, pipe.flipped):
+            if held is not None:
+                buffer, slot = held
+                buffer.orphan(slot)
         return False
 
     @staticmethod
@@ -583,6 +585,7 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         if corrupt:
             self.injector.fire("snapshot", job.iteration)
             self._flip(own, wire)  # on the wire only: undone below, own CRC stays right
+            pipe.flipped = (self.own, own)
         t0 = time.perf_counter()
         try:
             pipe.on_wire = True
@@ -596,8 +599,9 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
         finally:
             pipe.on_wire = False
             pipe.filling = None
-            if corrupt:
+            if corrupt and not pipe.given_up:  # given up: the slot left the buffer
                 self._flip(own, wire)
+                pipe.flipped = None
         self._raise_if_given_up(pipe, job)
         self.stats.transfer_s += time.perf_counter() - t0
         self.stats.bytes_sent += own.flat.numel() - (own.split if skip else 0) \
