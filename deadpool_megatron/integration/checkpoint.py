@@ -299,7 +299,7 @@ class Checkpointer:
         iteration = latest_iteration(root)
         flushed = newer_flush(root, iteration)
         instead = f"the checkpoint of iteration {iteration}" if iteration is not None \
-            else "nothing: starting from scratch"
+            else "nothing (training starts from scratch)"
         if flushed is not None and load_flushed(state, root, flushed,
                                                 self.cfg.use_distributed_optimizer, instead):
             return True

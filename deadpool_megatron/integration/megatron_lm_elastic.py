@@ -437,7 +437,7 @@ class MegatronSession(NotWalked):
         if flushed is None:
             return False
         instead = f"Megatron's checkpoint of iteration {checkpoint}" if checkpoint \
-            else "nothing: starting from scratch"
+            else "nothing (training starts from scratch)"
         return load_flushed(state, margs.load, flushed, bool(margs.use_distributed_optimizer),
                             instead)
 
