@@ -208,11 +208,14 @@ def _launcher_events(tmp_path: Path) -> list[dict]:
 def test_the_launcher_records_how_each_failure_was_found_and_the_spares_left(
         tmp_path: Path) -> None:
     """Rank 1 reports its own error and exits: an exception; rank 2 is killed (no report):
-    a process exit. Each declaration says how many spares are left."""
+    a process exit. Each declaration says how many spares are left. Rank 0's replica
+    holders (the world's list) are read once, not at every failure."""
     from deadpool_megatron.control import keys
 
     coordinator, signed = _coordinator(tmp_path, ["s0.0", "s0.1"])
     signed.set(keys.REPLICA_HOLDERS, json.dumps([[] for _ in range(coordinator.world)]))
+    reads, read = [], signed.read
+    signed.read = lambda key: (reads.append(key), read(key))[1]
     signed.set(keys.failure_report("w1"), "RuntimeError: boom")  # in training: built
     for worker, rc in (("w1", "1"), ("w2", "-9")):
         signed.set(keys.exit_report(worker), rc)
@@ -225,6 +228,7 @@ def test_the_launcher_records_how_each_failure_was_found_and_the_spares_left(
     declared = [(e["failed_ranks"], e["spares_left"]) for e in ev
                 if e["event"] == "generation_declared"]
     assert declared == [([1], 1), ([2], 0)]
+    assert reads.count(keys.REPLICA_HOLDERS) == 1, reads
 
 
 def test_an_own_error_before_the_build_waits_for_its_peers_to_fail_alike(

@@ -92,6 +92,7 @@ class Coordinator:
         self._next_scan = 0.0
         self._host_seq: dict[int, tuple[int, float]] = {}  # host -> (report seq, seen at)
         self._join_deadline = time.monotonic() + cfg.join_timeout
+        self._holders: list[list[int]] | None = None  # rank 0's, once read (_replica_holders)
 
     def open(self) -> None:
         self.store.set(keys.members(0), json.dumps(self.current))
@@ -268,7 +269,11 @@ class Coordinator:
 
     def _replica_holders(self) -> list[list[int]] | None:
         """What rank 0 published of who holds each rank's replicated bytes (None: not yet
-        published, or malformed: then only the buddy rule applies)."""
+        published, or malformed: then only the buddy rule applies). Kept once read: it
+        follows from the layout, which an epoch keeps, and at scale it is the world's list
+        (a 16,384-rank job's: 200 kB), read and checked at every failure otherwise."""
+        if self._holders is not None:
+            return self._holders
         value = self.store.read(keys.REPLICA_HOLDERS)
         try:
             holders = json.loads(value) if value is not None else None
@@ -278,6 +283,7 @@ class Coordinator:
                 isinstance(h, list) and all(isinstance(r, int) and 0 <= r < self.world
                                             for r in h) for h in holders):
             return None
+        self._holders = holders
         return holders
 
     def _failure(self, worker: str, rank: int, reported: str) -> Failure:
