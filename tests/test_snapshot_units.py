@@ -91,12 +91,12 @@ def test_a_worker_waiting_on_a_peer_is_given_up_after_the_wire_grace_not_the_sto
         ) -> None:
     """stop_worker: a worker waiting on its buddy or ward when the connections were cut is
     given up once the (short) wire grace is over; a worker copying gets the whole stop
-    time, and one that leaves the wire meanwhile is waited for as a copying one."""
+    time; one whose wait on a peer began after the cut gets the grace from then on."""
     from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
 
     release = threading.Event()
     on_wire = _Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True),
-                        on_wire=True)
+                        on_wire_since=time.monotonic())
     on_wire.thread.start()
     t0 = time.monotonic()
     assert not SnapshotEngine.stop_worker(on_wire, 30.0, wire_grace_s=0.1)
@@ -105,6 +105,16 @@ def test_a_worker_waiting_on_a_peer_is_given_up_after_the_wire_grace_not_the_sto
                                                           daemon=True))
     copying.thread.start()
     assert SnapshotEngine.stop_worker(copying, 30.0, wire_grace_s=0.1)  # ended at 0.4 s
+    late = _Pipeline(links={})
+
+    def copy_then_wait() -> None:  # copying for 1.2 s, then a peer's wait ending 0.2 s on
+        time.sleep(1.2)
+        late.on_wire_since = time.monotonic()
+        time.sleep(0.2)
+
+    late.thread = threading.Thread(target=copy_then_wait, daemon=True)
+    late.thread.start()
+    assert SnapshotEngine.stop_worker(late, 30.0, wire_grace_s=1.0) and not late.given_up
     release.set()
 
 

@@ -24,6 +24,7 @@ membership generation has its own pair groups and worker (`connect`, `abandon`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -32,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,7 @@ class _Pipeline:
     abandoned: bool = False
     given_up: bool = False  # its worker did not end within its stop time (stop_worker)
     filling: tuple[DoubleBuffer, Slot] | None = None  # the slot its worker writes now
-    on_wire: bool = False  # its worker waits on its buddy or ward (a transfer, an ack)
+    on_wire_since: float | None = None  # its worker waits on its buddy or ward since
     flipped: tuple[DoubleBuffer, Slot] | None = None  # an own slot an injected corruption
     # holds changed until the transfer ends (`_flip`)
 
@@ -291,10 +292,12 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             return True
         t0 = time.monotonic()
         while pipe.thread.is_alive():
-            waited = time.monotonic() - t0
-            if waited >= timeout_s or (pipe.on_wire and waited >= wire_grace_s):
+            now = time.monotonic()
+            since = pipe.on_wire_since  # a wait begun after the cut gets the grace too
+            if now - t0 >= timeout_s or (since is not None
+                                         and now - max(since, t0) >= wire_grace_s):
                 break
-            pipe.thread.join(min(0.02, timeout_s - waited))
+            pipe.thread.join(min(0.02, timeout_s - (now - t0)))
         if pipe.failure is not None:
             without_frames(pipe.failure)
         if not pipe.thread.is_alive():
@@ -588,16 +591,15 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             pipe.flipped = (self.own, own)
         t0 = time.perf_counter()
         try:
-            pipe.on_wire = True
-            self.stats.verify_s += exchange(
-                links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
-                after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration),
-                skip_replicated=skip)
+            with self._on_wire(pipe):
+                self.stats.verify_s += exchange(
+                    links, own, self.buddy, incoming, self.ward, chunk_bytes=self.chunk_bytes,
+                    after_first_chunk=lambda: self.injector.fire("snapshot", job.iteration),
+                    skip_replicated=skip)
         except TornTransfer as err:
             if not pipe.given_up:
                 self._report_torn(job.iteration, err)
         finally:
-            pipe.on_wire = False
             pipe.filling = None
             if corrupt and not pipe.given_up:  # given up: the slot left the buffer
                 self._flip(own, wire)
@@ -608,12 +610,9 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
             + len(own.objects) + (4 * len(own.table) if skip else 0)
         received = incoming.iteration == job.iteration and incoming.verified
         t0 = time.perf_counter()
-        pipe.on_wire = True
-        try:
+        with self._on_wire(pipe):
             acked = acknowledge(links, job.iteration if received else -1, self.ward,
                                 self.buddy) == job.iteration
-        finally:
-            pipe.on_wire = False
         self._raise_if_given_up(pipe, job)
         self.stats.commit_s += time.perf_counter() - t0
         # Pairwise: the ward's copy is committed here once it verified; the own shard once
@@ -636,6 +635,16 @@ class SnapshotEngine(RecoveryMoves, TrainingHooks):
                         "the buddy's copy of it did not verify" if not acked
                         else f"the copy from ward {self.ward} did not verify",
                         self.committed_iteration)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _on_wire(pipe: _Pipeline) -> Iterator[None]:
+        """While inside, the worker waits on its buddy or ward (stop_worker's grace)."""
+        pipe.on_wire_since = time.monotonic()
+        try:
+            yield
+        finally:
+            pipe.on_wire_since = None
 
     def _raise_if_given_up(self, pipe: _Pipeline, job: _Job) -> None:
         """A worker given up (stop_worker) that woke: its generation is gone, and so may be
