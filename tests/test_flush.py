@@ -17,6 +17,7 @@ from conftest import GPT_3D_ARGS
 from deadpool_megatron.metrics.timeline import load_events
 from deadpool_megatron.snapshot import flush
 from deadpool_megatron.snapshot.buffers import Slot, checksum
+from deadpool_megatron.testing.disk import damage_flushed_shard
 from deadpool_megatron.testing.jobs import JobResult, run_job, run_launched
 from deadpool_megatron.testing.signals import sigterm_the_launcher, signal_worker_when
 
@@ -265,19 +266,11 @@ def test_sigterm_flushes_and_a_relaunch_resumes_bit_exact(
     shutil.copytree(save, damaged)
     _resumes_from_the_flush(launch, args, save, tmp_path / "second", flushed[0],
                             failure_free_8)
-    _damage_a_shard(damaged, flushed[0], rank=5)
+    damage_flushed_shard(damaged, flushed[0], rank=5)
     args[args.index(str(save))] = str(damaged)
     third = run_launched(launch, [*args, "--load", str(damaged)], tmp_path / "third",
                          timeout_s=400, env=ENV)
     _fell_back_to_the_checkpoint(third, damaged, flushed[0], 3, failure_free_8)
-
-
-def _damage_a_shard(save: Path, iteration: int, rank: int) -> None:
-    """One byte of `rank`'s flushed shard changed on disk, its metadata left whole."""
-    data = Path(flush.iteration_dir(str(save), iteration)) / f"rank_{rank:05d}.bin"
-    blob = bytearray(data.read_bytes())
-    blob[len(blob) // 2] ^= 0x01
-    data.write_bytes(bytes(blob))
 
 
 def _fell_back_to_the_checkpoint(run: JobResult, save: Path, flushed: int, checkpoint: int,

@@ -26,6 +26,7 @@ import torch
 
 import megatron
 from deadpool_megatron.patching.cli import run
+from deadpool_megatron.testing.disk import damage_flushed_shard
 from deadpool_megatron.testing.jobs import MEGATRON_GPT, JobResult, run_job, run_launched
 from deadpool_megatron.testing.signals import sigterm_the_launcher, signal_worker_when
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR, ENV as MEGATRON_FAULT
@@ -779,10 +780,7 @@ def test_a_schedulers_sigterm_in_megatrons_loop_flushes_and_a_relaunch_resumes_t
                      second.output), second.describe()
     # The same flush with one byte of rank 5's shard changed on disk: set aside, and every
     # rank keeps the checkpoint pretrain() loaded (test_flush.py: our loop).
-    data = damaged / "deadpool_flush" / f"iter_{flushed:07d}" / "rank_00005.bin"
-    blob = bytearray(data.read_bytes())
-    blob[len(blob) // 2] ^= 0x01
-    data.write_bytes(bytes(blob))
+    damage_flushed_shard(damaged, flushed, rank=5)
     third = run_launched(launch, [*MODEL, *CPU_FLAGS, "--deadpool", "--save", str(damaged),
                                   "--save-interval", "2", "--load", str(damaged)],
                          tmp_path / "third", timeout_s=400, env=ENV, script=MEGATRON_GPT)
