@@ -62,7 +62,7 @@ def _sockets_now() -> frozenset[int]:
 
 
 def _member(tp: int, log: list[str], engine: object = None, backend: str = "nccl"):
-    from deadpool_megatron.reconstruct.recovery import Member
+    from deadpool_megatron.reconstruct.member import Member
 
     ctl = types.SimpleNamespace(port=1, worker="w0",
                                 members=lambda g: {0: "w0", 1: "s0.0"},
@@ -85,7 +85,7 @@ def _member(tp: int, log: list[str], engine: object = None, backend: str = "nccl
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["intact-replica", "lost-replica"])
 def test_nccl_communicators_are_aborted_before_waiting_for_the_thread(monkeypatch, tp) -> None:
-    from deadpool_megatron.reconstruct.recovery import leave
+    from deadpool_megatron.reconstruct.leave import leave
 
     prepare_megatron_import()
     log: list[str] = []
@@ -119,7 +119,7 @@ def test_a_thread_waiting_on_the_snapshot_worker_is_released_when_asked_to_stop(
     waiting on a peer, when its replica loses rank 1: the stop releases that wait at once
     (SnapshotAbandoned), instead of after STOP_TIMEOUT_S, when the pipeline was abandoned
     (a chaos soak's survivor stopped only then, and left the job as CannotContinue)."""
-    from deadpool_megatron.reconstruct.recovery import leave
+    from deadpool_megatron.reconstruct.leave import leave
     from deadpool_megatron.snapshot.engine import SnapshotAbandoned
     from deadpool_megatron.training.training_thread import TrainingThread
 
@@ -142,12 +142,12 @@ def test_a_thread_that_stops_late_but_stops_lets_its_rank_go_on(monkeypatch, cap
     saying where the thread was, instead of leaving the job as CannotContinue. Here, as
     before the stop released the snapshot pipeline's waits: only its abandonment, after
     the thread's time, does."""
-    from deadpool_megatron.reconstruct import recovery
+    from deadpool_megatron.reconstruct import leave
     from deadpool_megatron.snapshot.engine import SnapshotEngine
     from deadpool_megatron.training.training_thread import TrainingThread
 
     prepare_megatron_import()
-    monkeypatch.setattr(recovery, "STOP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(leave, "STOP_TIMEOUT_S", 0.3)
     engine = _engine_with_a_snapshot_in_flight()
     monkeypatch.setattr(engine, "release_waiters", lambda: None)
     monkeypatch.setattr(engine, "abandon", lambda: (SnapshotEngine.release_waiters(engine),
@@ -157,7 +157,7 @@ def test_a_thread_that_stops_late_but_stops_lets_its_rank_go_on(monkeypatch, cap
     training.start()
     try:
         with caplog.at_level("WARNING"):
-            recovery.leave(_member(2, [], engine, backend="gloo"), training, 5)
+            leave.leave(_member(2, [], engine, backend="gloo"), training, 5)
         assert "the training thread stopped" in caplog.text and "drain" in caplog.text
     finally:
         assert training.abandon(5.0)

@@ -11,7 +11,7 @@ from deadpool_megatron.faults.injector import InjectedFault
 from deadpool_megatron.faults.megatron_faults import CUDA_ERROR
 from deadpool_megatron.hooks import LoopState
 from deadpool_megatron.control.policy import RecoveryImpossible
-from deadpool_megatron.reconstruct.recovery import CannotContinue
+from deadpool_megatron.reconstruct.member import CannotContinue
 from deadpool_megatron.replay.ledger import MicrobatchLedger
 
 

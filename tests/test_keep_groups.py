@@ -267,7 +267,7 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
     on taken for hung): it is cut, and the group reported broken."""
     from deadpool_megatron.config import TrainConfig
     from deadpool_megatron.hooks import LoopState
-    from deadpool_megatron.reconstruct import keep, recovery
+    from deadpool_megatron.reconstruct import keep, leave, member as members
     from deadpool_megatron.rehearsal import prepare_megatron_import
     from deadpool_megatron.replay.ledger import MicrobatchLedger
 
@@ -281,7 +281,7 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
         engine = types.SimpleNamespace(abandon=lambda: None, release_waiters=lambda: None,
                                        stop_worker=lambda pipe, t: True)
         ledger = MicrobatchLedger()
-        member = recovery.Member(
+        member = members.Member(
             cfg=TrainConfig(distributed_backend="gloo", tensor_model_parallel_size=2),
             ft=DeadPoolConfig(deadpool=True), ctl=ctl, rank=0, world=4,
             events=types.SimpleNamespace(emit=lambda *a, **k: None), engine=engine,
@@ -299,12 +299,12 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
         try:
             pg, key = object(), ("TENSOR_MODEL_PARALLEL_GROUP", (0, 1), 0)
             member.groups.sockets = {id(pg): frozenset({_inode(mine), _inode(peer)})}
-            monkeypatch.setattr(recovery.Member, "keepable",
+            monkeypatch.setattr(members.Member, "keepable",
                                 lambda self, replaced, flushing: {key: (pg, True)})
             reported: list[bool] = []
             monkeypatch.setattr(keep, "agree", lambda store, gen, rank, found, sockets,
                                 broken, superseded: reported.append(broken) or set())
-            recovery.leave(member, _Parks(), g + 1)
+            leave.leave(member, _Parks(), g + 1)
             assert reported == [not at_barrier]
             # The agreement's long operation outlasts its timeout: it ends with a fresh
             # stamp, never by expiring first (chaos soak seed 44: every survivor that
@@ -330,13 +330,13 @@ def test_a_rank_leaving_a_generation_that_never_formed_reports_every_group_broke
     peers wait for its report) but reports each broken; leaving one that formed, the open
     ones whole."""
     from deadpool_megatron.config import TrainConfig
-    from deadpool_megatron.reconstruct import recovery
+    from deadpool_megatron.reconstruct.member import Member
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         mine = socket.create_connection(server.getsockname())
         peer, _ = server.accept()
         try:
-            member = recovery.Member(
+            member = Member(
                 cfg=TrainConfig(distributed_backend="gloo", tensor_model_parallel_size=2),
                 ft=DeadPoolConfig(deadpool=True), ctl=None, rank=0, world=4, events=None,
                 engine=None, ledger=None, injector=None, generation=2)

@@ -163,7 +163,7 @@ class ProgressBoard:
     def durable_save(self, budget_s: float) -> Iterator[None]:
         """A long operation that writes a durable checkpoint (or reads one): a recovery
         waits for a training thread inside it to stop within its budget, not 5 s
-        (recovery._join_cutting)."""
+        (leave.join_cutting)."""
         self._save_until = time.monotonic() + budget_s
         try:
             with self.long_operation(budget_s):

@@ -205,7 +205,7 @@ class HotSwapPretrain:
 
         from deadpool_megatron.integration.megatron_data import BatchSchedule
         from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
-        from deadpool_megatron.reconstruct.recovery import LoopTraits
+        from deadpool_megatron.reconstruct.member import LoopTraits
         from deadpool_megatron.training.driver import exit_now, run_worker
         from deadpool_megatron.training.elastic import new_worker_member
 

@@ -1,6 +1,6 @@
 """A simulated worker: the control-plane requests a worker under deadpool-launch makes
-(control/client.py's ControlClient, as reconstruct/recovery.py and training/elastic.py
-call it), with no training. One per rank and per spare, thousands per process.
+(control/client.py's ControlClient, as reconstruct/leave.py, reconstruct/recovery.py and
+training/elastic.py call it), with no training. One per rank and per spare, thousands per process.
 
 A worker's requests, in order (tests/test_scale_harness.py compares them with a real
 ControlClient's):

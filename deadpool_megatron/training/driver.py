@@ -37,8 +37,10 @@ from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.reconstruct.recovery import (STOP_TIMEOUT_S, CannotContinue,
-                                                    JobFlushed, Member)
+from deadpool_megatron.reconstruct.leave import STOP_TIMEOUT_S
+from deadpool_megatron.reconstruct import recovery
+from deadpool_megatron.reconstruct.flushing import flush_alone
+from deadpool_megatron.reconstruct.member import CannotContinue, JobFlushed, Member, adopt
 from deadpool_megatron.replay.ledger import ReductionBarrier
 from deadpool_megatron.training.training_thread import (GenerationBroken, TrainingThread,
                                                         Work)
@@ -115,9 +117,7 @@ class _Driver:
                 self._build_alone(t0)
                 work = self._enter(member.generation, t0)
             else:
-                from deadpool_megatron.reconstruct.recovery import rejoin
-
-                if not rejoin(member, 0):
+                if not recovery.rejoin(member, 0):
                     raise GenerationBroken("a new generation was declared before the job "
                                            "started")
                 ctl.unwatch()
@@ -178,8 +178,6 @@ class _Driver:
     # -- building ---------------------------------------------------------------------------
     def _start_thread(self, spare: bool) -> LoopState:
         """A training thread runs the loop's body until its objects are built."""
-        from deadpool_megatron.reconstruct.recovery import adopt
-
         self.thread = TrainingThread(partial(self.loop.body, self.member), self.context,
                                      spare=spare)
         self.thread.start()
@@ -246,9 +244,7 @@ class _Driver:
 
     # -- recovering ------------------------------------------------------------------------
     def _enter(self, generation: int, t0: float) -> Work:
-        from deadpool_megatron.reconstruct.recovery import enter
-
-        return enter(self.member, generation, t0, self._build_together)
+        return recovery.enter(self.member, generation, t0, self._build_together)
 
     def _recover(self, err: BaseException) -> Work:
         """Recover, again and again while failures strike during recovery. Each attempt
@@ -257,8 +253,6 @@ class _Driver:
         declares a newer one. An error that only reads as a peer's (this rank's own,
         wrapped) is then not tried again and again: no newer generation comes, and the
         rank leaves with it (`_declared_after`)."""
-        from deadpool_megatron.reconstruct.recovery import recover
-
         member = self.member
         after, again_of = member.generation, None
         while True:
@@ -270,8 +264,8 @@ class _Driver:
                 with self._watched():
                     t0 = time.perf_counter()
                     target = self._declared_after(after, again_of)
-                    return recover(member, self._stoppable(), self._build_together, target,
-                                   t0)
+                    return recovery.recover(member, self._stoppable(), self._build_together,
+                                            target, t0)
             except JobFlushed as flushed:
                 log.warning("%s", flushed)
                 exit_now(0)
@@ -314,8 +308,6 @@ class _Driver:
 
     def _flush_if_control_lost(self) -> None:
         """Without the control plane no recovery can be declared: flush and leave."""
-        from deadpool_megatron.reconstruct.recovery import flush_alone
-
         if self.member.ctl.control_lost.is_set():
             flush_alone(self.member, self._stoppable())
             exit_now(1)

@@ -19,7 +19,7 @@ from deadpool_megatron.control.progress import ProgressBoard
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState
 from deadpool_megatron.integration.device import CPU, ProcessDevice
-from deadpool_megatron.reconstruct.recovery import LoopTraits, Member
+from deadpool_megatron.reconstruct.member import LoopTraits, Member
 from deadpool_megatron.training.driver import generation_hooks, run_worker
 from deadpool_megatron.training.training_thread import TrainingThread, Work
 

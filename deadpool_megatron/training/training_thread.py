@@ -205,7 +205,7 @@ class TrainingThread:
     def parked(self) -> Stopped | None:
         return self._parked
 
-    # -- what reconstruct/recovery.py's leave needs (StoppableThread) ------------------------
+    # -- what reconstruct/leave.py's leave needs (StoppableThread) ------------------------
     def alive(self) -> bool:
         """Training: neither parked nor ended."""
         with self._cond:
