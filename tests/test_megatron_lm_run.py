@@ -24,8 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-import megatron
-from deadpool_megatron.patching.cli import run
+from deadpool_megatron.testing.checkout import lay_out_checkout
 from deadpool_megatron.testing.disk import damage_flushed_shard
 from deadpool_megatron.testing.jobs import MEGATRON_GPT, JobResult, run_job, run_launched
 from deadpool_megatron.testing.signals import sigterm_the_launcher, signal_worker_when
@@ -34,7 +33,6 @@ from deadpool_megatron.metrics.timeline import load_events
 from recoveries import SPREAD_TOLERANCE, check_recoveries
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU rehearsal run")
-DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
 # Megatron's own switches for a CPU run (no TransformerEngine, apex or fused kernels).
 CPU_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
              "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
@@ -56,16 +54,7 @@ ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("megatron_lm") / "Megatron-LM"
-    shutil.copytree(Path(megatron.__path__[0]), root / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    # pretrain() runs `make` for the dataset helpers (Megatron-LM's Makefile); the wheel
-    # ships them built and no Makefile, so the tree gets an empty one.
-    (root / "megatron/core/datasets/Makefile").write_text("default:\n\t@true\n")
-    shutil.copy(DRIVER, root / "pretrain_gpt.py")
-    code, msg = run([str(root)])
-    assert code == 0, msg
-    return root
+    return lay_out_checkout(tmp_path_factory.mktemp("megatron_lm") / "Megatron-LM")
 
 
 def _events(path: Path, rank: int) -> list[dict]:

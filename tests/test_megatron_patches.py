@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 
-import megatron
 from deadpool_megatron.patching.cli import run
 from deadpool_megatron.patching.releases import SUPPORTED
 from deadpool_megatron.patching.tree import load_patch
 from deadpool_megatron.patching.unified_diff import PatchError, apply_file, parse
+from deadpool_megatron.testing.checkout import lay_out_checkout, wheel_megatron
 
-WHEEL_MEGATRON = Path(megatron.__path__[0])
-DRIVER = Path(__file__).resolve().parents[1] / "deadpool_megatron" / "testing" / "megatron_lm_driver.py"
 PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/inprocess_restart.py",
                  "megatron/training/training.py")
 
@@ -34,11 +32,7 @@ def _digest(tree: Path) -> dict[str, str]:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    root = tmp_path / "Megatron-LM"
-    shutil.copytree(WHEEL_MEGATRON, root / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(DRIVER, root / "pretrain_gpt.py")
-    return root
+    return lay_out_checkout(tmp_path / "Megatron-LM", patch=False)
 
 
 def test_apply_then_reverse_restores_the_tree(tree: Path) -> None:
@@ -112,7 +106,7 @@ def test_a_modified_file_refuses_every_file_and_writes_nothing(tree: Path) -> No
 
 def test_a_partly_patched_tree_is_refused(tree: Path) -> None:
     assert run([str(tree)])[0] == 0
-    shutil.copy(WHEEL_MEGATRON / "training/arguments.py", tree / "megatron/training/arguments.py")
+    shutil.copy(wheel_megatron() / "training/arguments.py", tree / "megatron/training/arguments.py")
     before = _digest(tree)
     for argv in ([str(tree)], [str(tree), "--reverse"]):
         code, msg = run(argv)

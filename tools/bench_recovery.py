@@ -35,7 +35,9 @@ tests' reduced loop, which --vs-checkpoint always runs).
     .venv/bin/python tools/bench_recovery.py --ranks 8 --megatron-lm-tree TREE
 
 measures the same job in a user's Megatron-LM checkout patched with deadpool-patch, whose own
-pretrain_gpt.py runs (on CPU with Megatron's CPU switches).
+pretrain_gpt.py runs (on CPU with Megatron's CPU switches). On a CPU machine `--megatron-lm-tree
+wheel` lays one out from the megatron-core wheel as the tests do (a checkout's own megatron/core
+needs triton there).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from deadpool_megatron.metrics.timeline import Timeline, load_events, timelines 
 from deadpool_megatron.testing.jobs import (MEGATRON_GPT, PRETRAIN_GPT, REPO,  # noqa: E402
                                             JobResult, run_launched)
 from deadpool_megatron.faults.megatron_faults import ENV as MEGATRON_FAULT  # noqa: E402
+from deadpool_megatron.testing.checkout import lay_out_checkout  # noqa: E402
 
 
 def model_args(world: int, iters: int) -> list[str]:
@@ -327,7 +330,9 @@ def main() -> int:
                         "reduced: the tests' reduced loop (--vs-checkpoint always runs it)")
     p.add_argument("--megatron-lm-tree", type=Path, default=None,
                    help="a Megatron-LM checkout patched with deadpool-patch: measure its own "
-                        "pretrain_gpt.py (Megatron's loop) instead of ours")
+                        "pretrain_gpt.py (Megatron's loop) instead of ours; `wheel`: one "
+                        "laid out from the megatron-core wheel as the tests do, which runs "
+                        "on a CPU machine (deadpool_megatron/testing/checkout.py)")
     p.add_argument("--remake-groups", action="store_true",
                    help="run the jobs with --deadpool-remake-groups (compare with a run "
                         "without: groups kept)")
@@ -348,6 +353,11 @@ def main() -> int:
     summary: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as scratch:
         tmp = ns.keep or Path(scratch)
+        if str(ns.megatron_lm_tree) == "wheel":
+            ns.megatron_lm_tree = lay_out_checkout(Path(scratch) / "Megatron-LM")
+        if ns.megatron_lm_tree is not None and not script_of(ns).is_file():
+            p.error(f"--megatron-lm-tree: {script_of(ns)} does not exist: give the "
+                    f"checkout's root (the directory holding pretrain_gpt.py and megatron/)")
         if ns.vs_checkpoint:
             compare(ns, tmp)
         for world in ns.ranks:

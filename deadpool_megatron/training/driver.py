@@ -37,9 +37,9 @@ from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.metrics.errors import without_frames
 from deadpool_megatron.metrics.events import EventLog
-from deadpool_megatron.reconstruct.leave import STOP_TIMEOUT_S
 from deadpool_megatron.reconstruct import recovery
 from deadpool_megatron.reconstruct.flushing import flush_alone
+from deadpool_megatron.reconstruct.leave import STOP_TIMEOUT_S
 from deadpool_megatron.reconstruct.member import CannotContinue, JobFlushed, Member, adopt
 from deadpool_megatron.replay.ledger import ReductionBarrier
 from deadpool_megatron.training.training_thread import (GenerationBroken, TrainingThread,
