@@ -8,6 +8,7 @@ import logging
 
 from deadpool_megatron.reconstruct.leave import STOP_TIMEOUT_S, join_cutting
 from deadpool_megatron.reconstruct.member import JobFlushed, Member, StoppableThread
+from deadpool_megatron.snapshot.flush import commit, write_shard
 from deadpool_megatron.topology import ward_of
 
 log = logging.getLogger("deadpool_megatron.recovery")
@@ -33,8 +34,6 @@ def flush_held(member: Member, lost: set[int],
     flush's generation `flush`, also a stand-in copy of the ward's if the ward was replaced
     since this rank last received a snapshot from it: a flush during a recovery finds the
     spare holding nothing yet, and without the copy no iteration would be complete."""
-    from deadpool_megatron.snapshot.flush import write_shard
-
     save, engine = member.cfg.save, member.engine
     written: dict[str, list[int]] = {}
     if save is None or member.rank in lost:
@@ -67,15 +66,13 @@ def flush_alone(member: Member, training: StoppableThread | None) -> None:
     """The control plane is gone: no declaration will come, so this rank stops, writes what
     it holds of itself to --save and commits what is complete there (no files are removed:
     its peers may still be writing). Nothing keeps training blind."""
-    from deadpool_megatron.snapshot import flush
-
     if training is not None and training.alive():
         training.stop_now()
         cut = member.cut()
         join_cutting(training, cut(), cut, member.engine.release_waiters)
     member.engine.stop_worker(member.engine.abandon(), STOP_TIMEOUT_S)
     written = flush_held(member, set())
-    committed = flush.commit(member.cfg.save, member.world, prune=False) \
+    committed = commit(member.cfg.save, member.world, prune=False) \
         if member.cfg.save else None
     member.events.emit("flushed", generation=member.generation, reason="control plane lost",
                        written=written, committed=committed)

@@ -39,6 +39,7 @@ from deadpool_megatron.reconstruct.forming import Forming, FormingAbandoned
 from deadpool_megatron.reconstruct.groups import join_generation, socket_inodes
 from deadpool_megatron.reconstruct.leave import leave
 from deadpool_megatron.reconstruct.member import CannotContinue, Member, StoppableThread
+from deadpool_megatron.reconstruct.rebind import reachable_groups
 from deadpool_megatron.replay.plan import (FRESH_START, MicrobatchWork, RankReport,
                                            RecoveryPlan, plan_recovery)
 from deadpool_megatron.snapshot.restore import restore_shard, rewind_rng
@@ -129,17 +130,11 @@ def rebind(member: Member) -> int:
         stale = member.groups.stale(roots)
         log.info("group audit on rank %d: %d group references reachable from the kept "
                  "objects, %d of them from an old generation", member.rank,
-                 sum(1 for _ in _reachable(roots)), len(stale))
+                 len(reachable_groups(roots)), len(stale))
         if stale:  # this rank's own fault, not a peer's: it leaves and is replaced
             raise CannotContinue(f"rank {member.rank}: {len(stale)} references to "
                                  f"old-generation groups still held: {', '.join(stale)}")
     return replaced
-
-
-def _reachable(roots: list[Any]) -> list[Any]:
-    from deadpool_megatron.reconstruct.rebind import reachable_groups
-
-    return reachable_groups(roots)
 
 
 # -- restore --------------------------------------------------------------------------------
