@@ -12,8 +12,9 @@
     replay  hand the plan's micro-batches to the training loop.
 
 `leave` is leave.py, and a flush flushing.py; this module is the rest. A spare enters at
-`rejoin`, with objects it built alone for the failed coordinates (spare.py). A failure during any step is one more declaration: the caller runs `recover`
-again, and the plan, made from what every rank then holds, still restores everyone.
+`rejoin`, with objects it built alone for the failed coordinates (spare.py). A failure
+during any step is one more declaration: the caller runs `recover` again, and the plan,
+made from what every rank then holds, still restores everyone.
 """
 
 from __future__ import annotations
