@@ -1,9 +1,10 @@
 """Test-only: a user's Megatron-LM checkout, laid out from the megatron-core wheel, which
 ships `megatron/training` (at core_r0.19.0 byte-identical to the checkout's) but not the
 repository's root scripts or the datasets' Makefile. Its `pretrain_gpt.py` is
-megatron_lm_driver.py. A real checkout's own `megatron/core` imports triton and
-`typing.override`, which a CPU machine on Python 3.11 lacks; this one runs there, in the
-tests and in `tools/bench_recovery.py --megatron-lm-tree wheel`."""
+megatron_lm_driver.py, which provides `typing.override` (new in Python 3.12, imported by
+megatron/training) before Megatron is imported. A real checkout's own `megatron/core`
+imports triton, which a CPU machine lacks; this one runs there, in the tests and in
+`tools/bench_recovery.py --megatron-lm-tree wheel`."""
 
 from __future__ import annotations
 
