@@ -103,12 +103,13 @@ def _engine_with_a_snapshot_in_flight():
     from deadpool_megatron.faults.injector import FaultInjector
     from deadpool_megatron.integration.device import ProcessDevice
     from deadpool_megatron.metrics.events import EventLog
-    from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.snapshot.worker import Pipeline
 
     engine = SnapshotEngine(TrainConfig(distributed_backend="gloo"),
                             DeadPoolConfig(deadpool=True), FaultInjector([], 0),
                             EventLog(None, 0), ProcessDevice(None))
-    engine.rank, engine.pipe = 0, _Pipeline(links={})
+    engine.rank, engine.pipe = 0, Pipeline(links={})
     engine.pipe.idle.clear()
     return engine
 
@@ -120,7 +121,7 @@ def test_a_thread_waiting_on_the_snapshot_worker_is_released_when_asked_to_stop(
     (SnapshotAbandoned), instead of after STOP_TIMEOUT_S, when the pipeline was abandoned
     (a chaos soak's survivor stopped only then, and left the job as CannotContinue)."""
     from deadpool_megatron.reconstruct.leave import leave
-    from deadpool_megatron.snapshot.engine import SnapshotAbandoned
+    from deadpool_megatron.snapshot.worker import SnapshotAbandoned
     from deadpool_megatron.training.training_thread import TrainingThread
 
     prepare_megatron_import()

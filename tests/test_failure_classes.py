@@ -48,7 +48,7 @@ def test_a_chained_communication_error_is_a_peers() -> None:
 
 def _ours() -> list[BaseException]:
     from deadpool_megatron.control.client import JobShutdown
-    from deadpool_megatron.snapshot.engine import SnapshotAbandoned
+    from deadpool_megatron.snapshot.worker import SnapshotAbandoned
     from deadpool_megatron.snapshot.transport import TornTransfer
     from deadpool_megatron.training.training_thread import GenerationBroken
 
@@ -61,7 +61,7 @@ def test_our_errors_say_a_peers_failure_by_their_class_whatever_their_message() 
         assert caused_by_a_peer(err), type(err).__name__
     # The words alone are not ours to trust: a bug raising them is the rank's own.
     assert not caused_by_a_peer(RuntimeError("this generation was abandoned"))
-    from deadpool_megatron.snapshot.engine import SnapshotError
+    from deadpool_megatron.snapshot.worker import SnapshotError
 
     assert not caused_by_a_peer(SnapshotError("timed out after 120 s waiting for the copy"))
 

@@ -61,6 +61,7 @@ def test_the_training_thread_sets_the_process_device() -> None:
 def test_the_snapshot_worker_sets_the_process_device(slot3, monkeypatch) -> None:
     """The engine of a worker in slot 3 copies its snapshots on device 3, not on 0."""
     from deadpool_megatron.snapshot import engine as engine_mod
+    from deadpool_megatron.snapshot import worker as worker_mod
 
     seen: list[int] = []
     with FakeCuda(devices=8):
@@ -70,9 +71,9 @@ def test_the_snapshot_worker_sets_the_process_device(slot3, monkeypatch) -> None
                                            FaultInjector([], 0), EventLog(None, 0))
         monkeypatch.setattr(engine, "_snapshot",
                             lambda job, group: seen.append(torch.cuda.current_device()))
-        pipe = engine_mod._Pipeline(links={})
+        pipe = worker_mod.Pipeline(links={})
         worker = threading.Thread(target=engine._work, args=(pipe,), name="deadpool-snapshot")
-        pipe.queue.put(engine_mod._Job(iteration=1, objects=b""))
+        pipe.queue.put(worker_mod.Job(iteration=1, objects=b""))
         pipe.queue.put(None)
         worker.start()
         worker.join()
@@ -173,6 +174,7 @@ def test_the_snapshot_side_stream_is_on_the_process_device(slot3) -> None:
     import torch.distributed as dist
 
     from deadpool_megatron.snapshot import engine as engine_mod
+    from deadpool_megatron.snapshot import worker as worker_mod
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -182,7 +184,7 @@ def test_the_snapshot_side_stream_is_on_the_process_device(slot3) -> None:
                                                FaultInjector([], 0), EventLog(None, 0))
             engine.attach(_Objects(8))
             engine.rank, engine.buddy, engine.ward = 0, 0, 0
-            engine.pipe = engine_mod._Pipeline(links={0: dist.new_group(backend="gloo")})
+            engine.pipe = worker_mod.Pipeline(links={0: dist.new_group(backend="gloo")})
             starter = threading.Thread(target=engine._start, name="deadpool-train")
             starter.start()
             starter.join()

@@ -172,14 +172,15 @@ def test_the_next_snapshot_refuses_a_replaced_buffer_naming_it() -> None:
     from deadpool_megatron.ft_config import DeadPoolConfig
     from deadpool_megatron.hooks import LoopState
     from deadpool_megatron.metrics.events import EventLog
-    from deadpool_megatron.snapshot.engine import SnapshotEngine, SnapshotError, _Pipeline
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.snapshot.worker import Pipeline, SnapshotError
 
     objs = _objects()
     engine = SnapshotEngine(TrainConfig(distributed_backend="gloo"),
                             DeadPoolConfig(deadpool=True), FaultInjector([], 0),
                             EventLog(None, 0), ProcessDevice(None))
     engine.attach(objs)
-    engine.rank, engine.pipe = 0, _Pipeline(links={})
+    engine.rank, engine.pipe = 0, Pipeline(links={})
     engine.pipe.thread = types.SimpleNamespace()  # a worker is running and idle
     objs.model[0].expert_bias = torch.ones(3)
     with pytest.raises(SnapshotError, match=r"model0\.buffer\.expert_bias were replaced"):

@@ -15,7 +15,7 @@ from deadpool_megatron.faults.injector import FaultInjector, InjectedFault
 from deadpool_megatron.faults.spec import FaultSpecError, parse_fault, target_ranks
 from deadpool_megatron.ft_config import DeadPoolConfig
 from deadpool_megatron.snapshot.buffers import DoubleBuffer, checksum
-from deadpool_megatron.snapshot.engine import at_lower_priority, lower_thread_priority
+from deadpool_megatron.snapshot.worker import at_lower_priority, lower_thread_priority
 from deadpool_megatron.snapshot.manifest import build_manifest, copy_into, restore_from
 from deadpool_megatron.topology import ParallelSizes
 
@@ -64,11 +64,12 @@ def test_a_worker_not_ended_in_its_stop_time_is_given_up_with_the_slot_it_fills(
     """stop_worker: a worker that ends is stopped; one still held after the stop time is
     given up, and the slot it was filling leaves its buffer (a copy finishing after the
     next generation began training would mix two iterations under one checksum)."""
-    from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.snapshot.worker import Pipeline
 
     buf = DoubleBuffer.allocate(16)
     release = threading.Event()
-    held = _Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True))
+    held = Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True))
     filling = buf.begin_write()
     held.filling = (buf, filling)
     own = DoubleBuffer.allocate(16)
@@ -79,7 +80,7 @@ def test_a_worker_not_ended_in_its_stop_time_is_given_up_with_the_slot_it_fills(
     assert all(slot is not filling for slot in buf.slots)
     assert all(slot is not flipped for slot in own.slots)
     release.set()
-    ended = _Pipeline(links={}, thread=threading.Thread(target=lambda: None))
+    ended = Pipeline(links={}, thread=threading.Thread(target=lambda: None))
     ended.thread.start()
     kept = buf.slots[0]
     ended.filling = (buf, kept)  # it ended: whatever it filled, it finished
@@ -92,20 +93,21 @@ def test_a_worker_waiting_on_a_peer_is_given_up_after_the_wire_grace_not_the_sto
     """stop_worker: a worker waiting on its buddy or ward when the connections were cut is
     given up once the (short) wire grace is over; a worker copying gets the whole stop
     time; one whose wait on a peer began after the cut gets the grace from then on."""
-    from deadpool_megatron.snapshot.engine import SnapshotEngine, _Pipeline
+    from deadpool_megatron.snapshot.engine import SnapshotEngine
+    from deadpool_megatron.snapshot.worker import Pipeline
 
     release = threading.Event()
-    on_wire = _Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True),
+    on_wire = Pipeline(links={}, thread=threading.Thread(target=release.wait, daemon=True),
                         on_wire_since=time.monotonic())
     on_wire.thread.start()
     t0 = time.monotonic()
     assert not SnapshotEngine.stop_worker(on_wire, 30.0, wire_grace_s=0.1)
     assert on_wire.given_up and time.monotonic() - t0 < 5.0
-    copying = _Pipeline(links={}, thread=threading.Thread(target=lambda: release.wait(0.4),
+    copying = Pipeline(links={}, thread=threading.Thread(target=lambda: release.wait(0.4),
                                                           daemon=True))
     copying.thread.start()
     assert SnapshotEngine.stop_worker(copying, 30.0, wire_grace_s=0.1)  # ended at 0.4 s
-    late = _Pipeline(links={})
+    late = Pipeline(links={})
 
     def copy_then_wait() -> None:  # copying for 1.2 s, then a peer's wait ending 0.2 s on
         time.sleep(1.2)

@@ -284,9 +284,9 @@ def install_from_env() -> MegatronFault | None:
 
         _killed_publishing(fault, moves, "pair_group", "a replica fetch")
     elif fault.at == "ack":
-        from deadpool_megatron.snapshot import engine
+        from deadpool_megatron.snapshot import worker
 
-        engine.acknowledge = _failing(fault, engine.acknowledge)
+        worker.acknowledge = _failing(fault, worker.acknowledge)
     elif fault.at == "restore":
         from deadpool_megatron.snapshot import moves
 
