@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only work
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "recompute-rng-state",
     "sequence-parallel-torch-norm", "cuda-device-literals", "cuda-tensor-type-names",
-    "cuda-streams", "cuda-synchronize", "batch-p2p-sync", "jit-fuser-off",
+    "cuda-streams", "cuda-synchronize", "checkpoint-writer-fork", "batch-p2p-sync",
+    "jit-fuser-off",
     "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
     "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
     "megatron-lm-load-torch-adam", "megatron-lm-data-iterator-draw",
@@ -346,6 +347,38 @@ def test_cuda_synchronize_needed_and_works() -> None:
         torch.cuda.synchronize()
     with CpuRehearsal():
         torch.cuda.synchronize()
+
+
+def test_checkpoint_writer_fork_needed_and_works() -> None:
+    """Megatron asks for a spawned Manager (its server imports the training script again);
+    inside the rehearsal the writer's queue comes from a forked one, which carries results
+    and dies of SIGTERM although this process (as a worker does) catches it."""
+    import inspect
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fs
+
+    original = fs.get_write_results_queue
+    assert inspect.signature(original).parameters["mp_mode"].default == "spawn"
+    assert fs._results_queue is None  # made once per process: this test makes the first
+    caught = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with CpuRehearsal():
+            queue = fs.get_write_results_queue()  # as FileSystemWriterAsync calls it
+            assert fs.get_write_results_queue() is queue
+        assert fs.get_write_results_queue is original  # restored
+        server = queue._manager._process
+        assert type(server).__name__ == "ForkProcess", type(server)
+        queue.put({"written": 1})
+        assert queue.get(timeout=10) == {"written": 1}
+        server.terminate()  # SIGTERM
+        server.join(10)
+        assert server.exitcode == -signal.SIGTERM, server.exitcode
+    finally:
+        signal.signal(signal.SIGTERM, caught)
+        if fs._results_queue is not None and fs._results_queue._manager._process.is_alive():
+            fs._results_queue._manager.shutdown()
+        fs._results_queue = None
 
 
 def test_batch_p2p_sync_switch_exists_and_is_used() -> None:

@@ -1,10 +1,10 @@
 """What a killed worker leaves behind: its own child processes, stopped by the launcher.
 
-Megatron's checkpoint writer starts a multiprocessing Manager server (a spawned process)
-at a rank's first save; a data loader starts its workers. A worker that exits on its own
-stops them (training/driver.exit_now); one that is killed (a hang, --deadpool-inject
-kill, the OOM killer) cannot, and its children went on as orphans of init for good, 270 MB
-each, one more with every killed rank.
+Megatron's checkpoint writer starts a multiprocessing Manager server (spawned; forked in
+the CPU rehearsal: rehearsal/checkpoint_writer.py) at a rank's first save; a data loader
+starts its workers. A worker that exits on its own stops them (training/driver.exit_now);
+one that is killed (a hang, --deadpool-inject kill, the OOM killer) cannot, and its
+children went on as orphans of init for good, 270 MB each, one more with every killed rank.
 
 So the launcher becomes a child subreaper (Linux's PR_SET_CHILD_SUBREAPER) before it
 starts anything: a dead worker's descendants become its children, not init's, through

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from deadpool_megatron.rehearsal.checkpoint_writer import (install_forked_results_queue,
+                                                           restore_results_queue)
 from deadpool_megatron.rehearsal.norm import install_sequence_parallel_norm, restore_norm
 from deadpool_megatron.rehearsal.rng import install_cpu_rng_tracker, restore_rng_tracker
 
@@ -73,6 +75,7 @@ class CpuRehearsal:
         self._saved_cuda: dict[str, Any] = {}
         self._saved_tracker: tuple[Any, ...] | None = None
         self._saved_norm: Any = None
+        self._saved_queue: Any = None
         self._host_stream = _HostStream()
 
     def _cuda_patches(self) -> dict[str, Any]:
@@ -89,6 +92,7 @@ class CpuRehearsal:
             setattr(cuda, name, replacement)
         self._saved_tracker = install_cpu_rng_tracker()
         self._saved_norm = install_sequence_parallel_norm()
+        self._saved_queue = install_forked_results_queue()
         self._mode.__enter__()
         return self
 
@@ -104,6 +108,9 @@ class CpuRehearsal:
         if self._saved_norm is not None:
             restore_norm(self._saved_norm)
             self._saved_norm = None
+        if self._saved_queue is not None:
+            restore_results_queue(self._saved_queue)
+            self._saved_queue = None
         for name, original in self._saved_cuda.items():
             setattr(torch.cuda, name, original)
         self._saved_cuda.clear()

@@ -76,6 +76,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("dist_checkpointing/strategies/filesystem_async.py:248",),
     ),
     Workaround(
+        "checkpoint-writer-fork",
+        "The torch_dist writer's results queue is a Manager started with 'spawn', which "
+        "imports the training script (Megatron, torch) again in a new process: seconds per "
+        "rank at the first save, all ranks at once (14 s of an 8-rank job's on 2 cores). "
+        "Without CUDA it is started with 'fork', as Megatron-LM's async saves ask for it.",
+        ("dist_checkpointing/strategies/filesystem_async.py:53,200",),
+    ),
+    Workaround(
         "batch-p2p-sync",
         "Pipeline p2p calls torch.cuda.synchronize() after batched isend/irecv; Megatron's own "
         "switch batch_p2p_sync=False turns it off (gloo waits on its requests anyway).",
