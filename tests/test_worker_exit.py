@@ -1,5 +1,6 @@
 """Nothing a worker started stays after it: when it leaves with os._exit (training/driver.py
-exit_now), nor when it is killed (launch/orphans.py); nor what a killed launcher made."""
+exit_now), nor when it is killed (launch/orphans.py); nor what a killed launcher made; nor,
+without --deadpool, the workers of a failed job."""
 
 from __future__ import annotations
 
@@ -60,6 +61,31 @@ def _running(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+HOLD = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(1)
+    sys.exit(1)
+print("waiting", flush=True)
+time.sleep(120)  # as a rank waits in a collective for the one that failed
+"""
+
+
+def test_without_deadpool_the_other_workers_of_a_failed_rank_are_stopped_at_once(
+        tmp_path: Path) -> None:
+    """A job without --deadpool (torchrun's way: no hot-swap, nothing to flush): rank 1
+    fails, and its peers, which would wait in their collectives, are stopped with SIGTERM at
+    once, not after --shutdown-timeout (here longer than the test's deadline)."""
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD)
+    run = run_hosts([["--nproc-per-node", "3", "--shutdown-timeout", "300"]], [],
+                    tmp_path / "job", timeout_s=90, script=script)
+    assert not run.timed_out and run.returncodes[0] != 0, run.describe()
+    assert "rank 1 (worker w1 on host 0) exited with 1" in run.logs[0], run.describe()
+    assert "stopping 2 worker(s) still running (w0, w2): SIGTERM" in run.logs[0], \
+        run.describe()
 
 
 def test_what_a_killed_worker_started_is_stopped_by_its_launcher(tmp_path: Path) -> None:

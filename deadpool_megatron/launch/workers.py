@@ -279,8 +279,19 @@ class LocalWorkers:
     def stop(self, timeout_s: float) -> None:
         """Give every worker until the deadline to exit on its own, then SIGKILL it. One
         stopped by a signal (SIGSTOP, a debugger, a cgroup freeze) cannot: it is killed at
-        once (the job waited the whole --shutdown-timeout for one in chaos soak seed 192)."""
+        once (the job waited the whole --shutdown-timeout for one in chaos soak seed 192).
+        Workers that do not ignore SIGTERM (a job without --deadpool: they follow no control
+        plane and hold nothing to flush) are sent it first, as torchrun stops its workers;
+        before, they waited in their collectives until gloo failed them, 14 s of a restart
+        from Megatron's checkpoint."""
         deadline = time.monotonic() + timeout_s
+        running = [w for w, proc in self.procs.items() if proc.poll() is None]
+        if running and not self.ignore_sigterm:
+            log.warning("deadpool-launch: stopping %d worker(s) still running (%s): SIGTERM, "
+                        "as torchrun does (without --deadpool they hold nothing to flush)",
+                        len(running), ", ".join(running))
+            for worker in running:
+                self.procs[worker].send_signal(signal.SIGTERM)
         while self.alive() and time.monotonic() < deadline:
             for worker, proc in self.procs.items():
                 if proc.poll() is None and _os_state(proc.pid) == STOPPED:
