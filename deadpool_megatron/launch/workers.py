@@ -289,7 +289,7 @@ class LocalWorkers:
         if running and not self.ignore_sigterm:
             log.warning("deadpool-launch: stopping %d worker(s) still running (%s): SIGTERM, "
                         "as torchrun does (without --deadpool they hold nothing to flush)",
-                        len(running), ", ".join(running))
+                        len(running), ", ".join(str(w) for w in running))
             for worker in running:
                 self.procs[worker].send_signal(signal.SIGTERM)
         while self.alive() and time.monotonic() < deadline:
