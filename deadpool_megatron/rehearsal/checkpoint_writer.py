@@ -4,7 +4,7 @@ Megatron-Core's `FileSystemWriterAsync` takes a queue from `get_write_results_qu
 `Manager().Queue()` whose server process is started with the 'spawn' method by default. A
 spawned process prepares itself by importing the parent's main module again: the training
 script, so Megatron and torch once more. Every rank does it at its first save, all at
-once: an 8-rank job's first save took 7 to 10 s on 2 cores (Megatron's save-checkpoint
+once: an 8-rank job's first save took 7 to 14 s on 2 cores (Megatron's save-checkpoint
 timer), 0.3 to 0.4 s with the server forked. Nothing forbids a fork without CUDA, and
 Megatron-LM's own async saves ask for this queue with 'fork'
 (megatron/training/async_utils.py); here every save does.
