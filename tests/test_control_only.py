@@ -51,30 +51,34 @@ def _forge_heartbeats(log: Path, stop: threading.Event) -> None:
 @pytest.mark.fault_matrix
 def test_the_first_training_host_lost_as_a_whole_is_recovered(
         tmp_path: Path, failure_free_8: JobResult) -> None:
-    """Host 0 control-only; host 1 (ranks 0-3, rank 0 included) SIGKILLed with its launcher
-    at iteration 3 while a foreign process forges its heartbeats; host 2's spares take
-    ranks 0-3 from their buddies' copies and the run ends bit-exact."""
+    """Host 0 control-only, host 3 a standby host (spares only); host 1 (ranks 0-3, rank 0
+    included) SIGKILLed with its launcher at iteration 3 while a foreign process forges its
+    heartbeats; host 3's spares take ranks 0-3 from their buddies' copies on host 2 and the
+    run ends bit-exact."""
     events = tmp_path / "events"
     args = [*GPT_3D_ARGS, "--train-iters", "8", "--deadpool", "--deadpool-events",
             str(events)]
-    common = ["--nproc-per-node", "4", "--heartbeat-timeout", "6"]
+    common = ["--nproc-per-node", "4", "--standby-hosts", "1", "--heartbeat-timeout", "6"]
     stop = threading.Event()
     forger = threading.Thread(target=_forge_heartbeats, args=(tmp_path / "host0.log", stop),
                               daemon=True)
     forger.start()
     try:
         run = run_hosts([[*common, "--control-only"], [*common, "--spares", "0"],
-                         [*common, "--spares", "4"]], args, tmp_path, timeout_s=500,
+                         [*common, "--spares", "0"], [*common, "--spares", "4"]], args,
+                        tmp_path, timeout_s=500,
                         env={"DEADPOOL_CONTROL_TIMEOUT_S": "90"},
                         kill_host=(1, "iteration        3/", 0.0))
     finally:
         stop.set()
         forger.join(10)
-    assert run.returncodes[0] == 0 and run.returncodes[2] == 0, run.describe()
+    assert run.returncodes[0] == run.returncodes[2] == run.returncodes[3] == 0, run.describe()
     assert not run.timed_out, run.describe()
     assert run.fingerprint == failure_free_8.fingerprint, run.describe()
     out = run.logs[0]
-    assert "(control only)" in out
+    assert "and 1 standby host(s)" in out and "(control only)" in out
+    assert "spares {0: 's3.0', 1: 's3.1', 2: 's3.2', 3: 's3.3'} take their places" in out, \
+        run.describe()
     assert "ignored a write to ep0/dp/host/1 that does not carry the job token" in out
     found = [json.loads(line) for p in tmp_path.glob("events.rank*")
              for line in p.read_text().splitlines()]

@@ -60,6 +60,40 @@ def test_lost_host_is_declared_once_and_replaced_by_the_other_hosts_spares(
     assert "worker w0 done" in run.logs[0] and "worker w1 done" in run.logs[0]
 
 
+def test_a_standby_host_runs_spares_only_and_takes_a_lost_hosts_ranks(tmp_path: Path) -> None:
+    """--standby-hosts 1 of 3: host 2 trains nothing (world 4 on hosts 0 and 1); when host 1
+    is SIGKILLed with its launcher, host 2's spares take its ranks on their own devices."""
+    standby = ["--standby-hosts", "1", *HB]
+    hosts = [["--nproc-per-node", "2", "--spares", "0", *standby],
+             ["--nproc-per-node", "2", "--spares", "0", *standby],
+             ["--nproc-per-node", "2", "--spares", "2", *standby]]
+    run = run_hosts(hosts, ["--deadpool", "--seconds", "9"], tmp_path, timeout_s=120,
+                    script=WORKER, kill_host=(1, "is rank 3", 1.0))
+    assert run.returncodes[0] == 0 and run.returncodes[1] == -9, run.describe()
+    assert run.returncodes[2] == 0 and not run.timed_out, run.describe()
+    assert "4 workers on 2 host(s) (2 per host, 2 failure domains of 2 ranks) and 1 " \
+           "standby host(s)" in run.logs[0], run.describe()
+    assert "host 2, epoch 0: a standby host: no rank and 2 warm spares started" in run.logs[2]
+    assert _declarations(run) == ["generation 1: ranks [2, 3] failed; spares {2: 's2.0', 3: "
+                                  "'s2.1'} take their places"], run.describe()
+    for spare, rank, slot in (("s2.0", 2, 0), ("s2.1", 3, 1)):
+        assert f"worker {spare} took rank {rank} in generation 1" in run.logs[2]
+        assert f"worker {spare} device slot {slot}" in run.logs[2], run.describe()
+    assert "worker w0 done" in run.logs[0] and "worker w1 done" in run.logs[0]
+
+
+def test_standby_hosts_hold_no_rank() -> None:
+    cfg = LaunchConfig(nproc_per_node=4, nnodes=4, standby_hosts=2, node_rank=3, spares=3,
+                       master_port=1, job_token_file="t")
+    cfg.validate()
+    assert cfg.world_size == 8 and cfg.standby and list(cfg.local_ranks()) == []
+    assert list(cfg.training_hosts) == [0, 1] and list(cfg.worker_hosts) == [0, 1, 2, 3]
+    assert cfg.host_of("w7") == 1 and cfg.host_of("s3.2") == 3
+    cfg.check_devices("nccl", 3)  # three spares, three GPUs: no training rank needs one
+    with pytest.raises(LaunchError, match=re.escape("use --spares 2")):
+        cfg.check_devices("nccl", 2)
+
+
 def test_checkpoint_fallback_restarts_every_host(tmp_path: Path) -> None:
     run = _hosts(tmp_path, "fallback", [0, 0],
                  ["--seconds", "3", "--fail-rank", "2", "--save", str(tmp_path / "ckpt")])
@@ -87,6 +121,12 @@ def test_a_host_that_never_joins_ends_the_job_with_its_name(tmp_path: Path) -> N
     ({"nproc_per_node": 6, "logical_nodes": 4}, "--logical-nodes 4 must divide"),
     ({"spares": -1}, "--spares must be non-negative"),
     ({"nnodes": 2}, "--nnodes 2 needs --job-token-file"),
+    ({"standby_hosts": -1}, "--standby-hosts must be non-negative"),
+    ({"nnodes": 2, "standby_hosts": 2, "job_token_file": "t"},
+     "--standby-hosts 2 leaves no training host of --nnodes 2: at most 1 standby host(s)"),
+    ({"nnodes": 3, "standby_hosts": 1, "node_rank": 2, "master_port": 1, "job_token_file": "t"},
+     "host 2 is a standby host (--standby-hosts 1: the last 1 of --nnodes 3) and runs spares "
+     "only: give it --spares 1 or more"),
 ])
 def test_bad_launch_flags_say_what_to_change(kw: dict, expected: str) -> None:
     with pytest.raises(LaunchError, match=re.escape(expected)):

@@ -33,7 +33,7 @@ def _run(tmp_path: Path, **env: str) -> str:
 def test_the_default_script_is_ours_with_hot_swap_flags(tmp_path: Path) -> None:
     args = _run(tmp_path)
     assert f"{ROOT}/pretrain_scripts/pretrain_gpt.py" in args
-    assert "--deadpool " in args and "--spares '1'" in args
+    assert "--deadpool " in args and "SPARES='1'" in args and "--standby-hosts 0" in args
     assert "--master-addr 'node-a'" in args
     assert oct((tmp_path / "run" / "job.token").stat().st_mode & 0o777) == "0o600"
 
@@ -45,4 +45,32 @@ def test_a_patched_megatron_lm_tree_runs_its_own_script_with_its_extra_flags(
                 EXTRA_ARGS="--tokenizer-type NullTokenizer --vocab-size 32000")
     assert f"'{upstream}'" in args and "pretrain_scripts/pretrain_gpt.py" not in args
     assert "--tokenizer-type NullTokenizer --vocab-size 32000" in args
-    assert "--deadpool " in args and "--spares '1'" in args
+    assert "--deadpool " in args and "SPARES='1'" in args
+
+
+def test_standby_nodes_run_spares_on_every_gpu(tmp_path: Path) -> None:
+    """STANDBY_NODES=1 of 3: each node's command run as srun would run it, the launcher
+    echoed: nodes 0 and 1 train with one spare, node 2 runs 7 + 1 spares and no rank."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\n'
+                                  'for n in 0 1 2; do SLURM_NODEID=$n "$@"; done\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\n[ "$1" = -m ] || exec {sys.executable} "$@"\n'
+                                    f'echo "$@" >> {tmp_path}/launches\n')
+    for stub in ("scontrol", "srun", "python"):
+        (bin_dir / stub).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT),
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node-[a-c]", "SLURM_NNODES": "3",
+           "PYTHON": str(bin_dir / "python"), "RUN_DIR": str(tmp_path / "run"),
+           "STANDBY_NODES": "1"}
+    out = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    launches = (tmp_path / "launches").read_text().splitlines()
+    assert len(launches) == 3, launches
+    for node, spares in ((0, 1), (1, 1), (2, 8)):
+        flags = launches[node].split()
+        assert flags[flags.index("--node-rank") + 1] == str(node), launches[node]
+        assert flags[flags.index("--spares") + 1] == str(spares), launches[node]
+        assert flags[flags.index("--standby-hosts") + 1] == "1", launches[node]

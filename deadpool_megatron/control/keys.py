@@ -96,7 +96,7 @@ def node_spares(node: int) -> str:
 
 
 # -- keys outside every epoch: the launchers' own lifecycle -----------------------------
-# json {nnodes, nproc_per_node, control_only, shape}, set by host 0; shape: {world, tp, pp,
+# json {nnodes, nproc_per_node, standby_hosts, control_only, shape}, set by host 0; shape: {world, tp, pp,
 # cp, ranks_per_node}, what deadpool-inject resolves a target with
 LAYOUT = "launch/layout"
 EPOCH = "launch/epoch"  # the current epoch (a whole-job restart opens the next)

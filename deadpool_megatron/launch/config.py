@@ -1,4 +1,5 @@
-"""deadpool-launch's flags, shaped like torchrun's, plus spares and rehearsal nodes."""
+"""deadpool-launch's flags, shaped like torchrun's, plus spares, standby hosts and rehearsal
+nodes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ class LaunchConfig:
         "Control-plane port (0 on host 0: pick a free one and print it)."))
     spares: int = field(default=0, metadata=flag(
         "Warm spare processes on this host (any host's spare may replace any rank)."))
+    standby_hosts: int = field(default=0, metadata=flag(
+        "The last N hosts of --nnodes are standby machines: they run no training rank, only "
+        "their --spares, ready to take the ranks of a lost host. Give every host the same "
+        "value; the job's world is then (--nnodes - N) x --nproc-per-node (less host 0 "
+        "with --control-only)."))
     logical_nodes: int = field(default=1, metadata=flag(
         "Split each host's workers into N failure domains (rehearsal on one host)."))
     heartbeat_timeout: float = field(default=10.0, metadata=flag(
@@ -70,7 +76,17 @@ class LaunchConfig:
 
     @property
     def training_hosts(self) -> range:
+        return range(self.first_training_host, self.nnodes - self.standby_hosts)
+
+    @property
+    def worker_hosts(self) -> range:
+        """Hosts that start workers: the training hosts, then the standby hosts (spares)."""
         return range(self.first_training_host, self.nnodes)
+
+    @property
+    def standby(self) -> bool:
+        """This host runs spares only (--standby-hosts)."""
+        return self.node_rank >= self.nnodes - self.standby_hosts
 
     @property
     def world_size(self) -> int:
@@ -106,6 +122,18 @@ class LaunchConfig:
         if self.logical_nodes <= 0 or self.nproc_per_node % self.logical_nodes:
             raise LaunchError(f"--logical-nodes {self.logical_nodes} must divide "
                               f"--nproc-per-node {self.nproc_per_node}")
+        if self.standby_hosts < 0:
+            raise LaunchError(f"--standby-hosts must be non-negative, got {self.standby_hosts}")
+        if not self.training_hosts:
+            raise LaunchError(f"--standby-hosts {self.standby_hosts} leaves no training host "
+                              f"of --nnodes {self.nnodes}"
+                              f"{' (host 0 is --control-only)' if self.control_only else ''}: "
+                              f"at most {len(self.worker_hosts) - 1} standby host(s)")
+        if self.standby and self.spares <= 0:
+            raise LaunchError(f"host {self.node_rank} is a standby host (--standby-hosts "
+                              f"{self.standby_hosts}: the last {self.standby_hosts} of "
+                              f"--nnodes {self.nnodes}) and runs spares only: give it "
+                              f"--spares 1 or more")
         if self.control_only and (self.node_rank != 0 or self.nnodes < 2 or self.spares):
             raise LaunchError("--control-only is for host 0 of a job with training hosts "
                               "(--nnodes 2 or more) and runs no spare (--spares 0)")
@@ -120,13 +148,19 @@ class LaunchConfig:
 
     def check_devices(self, backend: str, devices: int) -> None:
         """With NCCL each worker of a host, spares included, needs a GPU of its own: active
-        workers take device slots 0..nproc-1, spares nproc, nproc+1, ... Two ranks on one
+        workers take device slots 0..nproc-1, spares the next ones (a standby host's from
+        0). Two ranks on one
         GPU are refused by NCCL, and a spare sharing a GPU would take it over a live rank's
         memory. `devices` is this host's CUDA device count (0: none seen here; the
         workers then say so themselves)."""
-        needed = self.nproc_per_node + self.spares
+        needed = len(self.local_ranks()) + self.spares
         if backend != "nccl" or devices == 0 or needed <= devices:
             return
+        if self.standby:
+            raise LaunchError(
+                f"--spares {self.spares} on standby host {self.node_rank} need {needed} GPUs, "
+                f"which it has not ({devices}): with the nccl backend every spare needs a GPU "
+                f"of its own; use --spares {devices}")
         raise LaunchError(
             f"--nproc-per-node {self.nproc_per_node} plus --spares {self.spares} need "
             f"{needed} GPUs on this host, which has {devices}: with the nccl backend every "

@@ -134,8 +134,9 @@ class Coordinator:
                         r.id, r.spec, r.ranks, r.workers)
 
     def _discover_spares(self) -> None:
-        """Spares join as each host's launcher registers them (hosts start at any time)."""
-        hosts = self.cfg.training_hosts
+        """Spares join as each host's launcher registers them (hosts start at any time),
+        a standby host's too."""
+        hosts = self.cfg.worker_hosts
         if len(self.hosts_seen) == len(hosts):
             return
         for host in hosts:

@@ -168,7 +168,7 @@ class Launcher:
             self.control = SignedStore(self.root, self.token)
             self.control.set(keys.LAYOUT, json.dumps(
                 {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
-                 "control_only": cfg.control_only,
+                 "standby_hosts": cfg.standby_hosts, "control_only": cfg.control_only,
                  "shape": job_shape(self.worker.tp, self.worker.pp, self.worker.cp,
                                     cfg.world_size, self.ranks_per_node)}))
             if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
@@ -232,10 +232,12 @@ class Launcher:
         self.control.set(keys.EPOCH, str(epoch))  # the other hosts start their workers now
         spares = workers.start()
         log.info("deadpool-launch: epoch %d: %d workers on %d host(s) (%d per host, %d "
-                 "failure domains of %d ranks), %d warm spares here%s; control plane on %s:%d",
-                 epoch, cfg.world_size, len(cfg.training_hosts), cfg.nproc_per_node,
-                 cfg.world_size // self.ranks_per_node, self.ranks_per_node, len(spares),
-                 " (control only)" if cfg.control_only else "", cfg.master_addr, self.root.port)
+                 "failure domains of %d ranks)%s, %d warm spares here%s; control plane on "
+                 "%s:%d", epoch, cfg.world_size, len(cfg.training_hosts), cfg.nproc_per_node,
+                 cfg.world_size // self.ranks_per_node, self.ranks_per_node,
+                 f" and {cfg.standby_hosts} standby host(s)" if cfg.standby_hosts else "",
+                 len(spares), " (control only)" if cfg.control_only else "", cfg.master_addr,
+                 self.root.port)
         try:
             while True:
                 workers.poll()
@@ -315,14 +317,15 @@ class Launcher:
     def _adopt_layout(self) -> None:
         """Host 0's layout: whether it trains (--control-only), checked against ours."""
         layout = json.loads(self._authentic(keys.LAYOUT))
-        mine = {"nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node}
-        theirs = {k: layout[k] for k in mine}
+        mine = {"nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
+                "standby_hosts": self.cfg.standby_hosts}
+        theirs = {k: layout.get(k, 0) for k in mine}
         if theirs != mine:
             raise LaunchError(f"host {self.cfg.node_rank} was started with {mine}, host 0 "
-                              f"with {theirs}: give every host the same --nnodes and "
-                              f"--nproc-per-node")
+                              f"with {theirs}: give every host the same --nnodes, "
+                              f"--nproc-per-node and --standby-hosts")
         self.cfg = dataclasses.replace(self.cfg, control_only=bool(layout["control_only"]))
-        if self.cfg.node_rank not in self.cfg.training_hosts:
+        if self.cfg.node_rank not in self.cfg.worker_hosts:
             raise LaunchError("host 0 is the control-only host: training hosts are "
                               "--node-rank 1 .. --nnodes - 1")
 
@@ -336,9 +339,10 @@ class Launcher:
             workers = self._workers(epoch)
             try:
                 spares = workers.start()
-                log.info("deadpool-launch: host %d, epoch %d: ranks %d..%d and %d warm "
-                         "spares started", cfg.node_rank, epoch, cfg.local_ranks()[0],
-                         cfg.local_ranks()[-1], len(spares))
+                ranks = cfg.local_ranks()
+                log.info("deadpool-launch: host %d, epoch %d: %s and %d warm spares started",
+                         cfg.node_rank, epoch, f"ranks {ranks[0]}..{ranks[-1]}" if ranks
+                         else "a standby host: no rank", len(spares))
                 try:
                     while workers.ended is None:  # host 0 announces it (kill counter)
                         workers.poll()

@@ -101,11 +101,12 @@ class LocalWorkers:
 
     def start(self) -> list[str]:
         """Start this host's active workers and spares; returns the spare ids."""
-        for slot, rank in enumerate(self.cfg.local_ranks()):
+        ranks = self.cfg.local_ranks()  # none on a standby host
+        for slot, rank in enumerate(ranks):
             self._start(f"w{rank}", rank, slot)
         spares = spare_ids(self.cfg.node_rank, self.cfg.spares)
         for i, worker in enumerate(spares):
-            self._start(worker, None, self.cfg.nproc_per_node + i)
+            self._start(worker, None, len(ranks) + i)
         self.store.set(keys.node_spares(self.cfg.node_rank), json.dumps(spares))
         return spares
 

@@ -35,6 +35,7 @@ def main() -> int:
     if ctl is None:
         sys.exit("control_worker.py runs under deadpool-launch only")
     first_epoch = ctl.epoch == 0
+    print(f"worker {ctl.worker} device slot {os.environ['DEADPOOL_DEVICE_SLOT']}", flush=True)
     if args.child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"worker {ctl.worker} started child pid {child.pid}", flush=True)
