@@ -122,6 +122,30 @@ def test_whole_host_of_two(tmp_path: Path, failure_free: str) -> None:
 
 
 @pytest.mark.fault_matrix
+def test_a_host_restarted_after_its_loss_brings_the_spares_that_take_its_ranks(
+        tmp_path: Path, failure_free: str) -> None:
+    """No spare anywhere at the start. Host 1's launcher is SIGKILLed with its workers at
+    iteration 3 and started again (as a supervisor restarts it): the new launcher's return
+    tells the loss (the heartbeat timeout, 120 s, never runs out), it starts spares only,
+    late in the job, and they take ranks 4-7 from their buddies' copies; bit-exact."""
+    events = tmp_path / "events"
+    args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool", "--deadpool-events",
+            str(events)]
+    run = run_hosts([["--nproc-per-node", "4", "--spares", "0", "--heartbeat-timeout", "120"],
+                     ["--nproc-per-node", "4", "--spares", "0"]], args, tmp_path,
+                    timeout_s=400, env=ENV, kill_host=(1, "iteration        3/", 0.0),
+                    restart_host=["--nproc-per-node", "4", "--spares", "4"])
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
+    assert run.fingerprint == failure_free, run.describe()
+    assert "host 1 rejoined (its launcher's start 1)" in run.logs[0], run.describe()
+    (declared,) = re.findall(r"generation \d+: ranks .* take their places", run.logs[0])
+    assert declared == ("generation 1: ranks [4, 5, 6, 7] failed; spares {4: 's1.r1.0', 5: "
+                        "'s1.r1.1', 6: 's1.r1.2', 7: 's1.r1.3'} take their places"), run.describe()
+    spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["from_buddy"]}
+    assert spares == {4, 5, 6, 7}, run.describe()
+
+
+@pytest.mark.fault_matrix
 def test_failures_during_recovery(tmp_path: Path, failure_free: str) -> None:
     """Rank 7 dies while the job recovers from rank 2's death: generation 2 replaces it and
     still gives rank 2's spare, which never finished restoring, its shard. Then rank 1

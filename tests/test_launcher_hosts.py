@@ -4,6 +4,7 @@ Slurm), with a stand-in worker that trains nothing, so the control plane is test
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,48 @@ def test_a_standby_host_runs_spares_only_and_takes_a_lost_hosts_ranks(tmp_path: 
         assert f"worker {spare} took rank {rank} in generation 1" in run.logs[2]
         assert f"worker {spare} device slot {slot}" in run.logs[2], run.describe()
     assert "worker w0 done" in run.logs[0] and "worker w1 done" in run.logs[0]
+
+
+def test_a_lost_hosts_launcher_started_again_rejoins_with_spares(tmp_path: Path) -> None:
+    """Host 1 is SIGKILLed with its launcher and started again at once (a supervisor's
+    restart, a repaired machine): the new launcher's return is the old one's loss (the
+    heartbeat timeout, 60 s, never runs out), its spare joins the pool before the
+    declaration and takes rank 2 (rank 2's buddy copy is on host 0), a spare of host 0
+    rank 3; rank 0 then fails (cued once host 0 logged the rejoin) and takes the last."""
+    cue = tmp_path / "cue"
+    done = threading.Event()
+
+    def cue_after_rejoin() -> None:
+        log = tmp_path / "host0.log"
+        while not done.wait(0.1):
+            if log.exists() and "host 1 rejoined" in log.read_text(errors="replace"):
+                cue.touch()
+                return
+
+    watcher = threading.Thread(target=cue_after_rejoin, daemon=True)
+    watcher.start()
+    try:
+        # Heartbeats would tell the loss only after 60 s: the restart must tell it.
+        hosts = [["--nproc-per-node", "2", "--spares", "2", "--heartbeat-timeout", "60"],
+                 ["--nproc-per-node", "2", "--spares", "0"]]
+        run = run_hosts(hosts, ["--deadpool", "--seconds", "3", "--fail-rank", "0",
+                                "--fail-after", "0.5", "--cue", str(cue)], tmp_path,
+                        timeout_s=120, script=WORKER, kill_host=(1, "is rank 3", 0.5),
+                        restart_host=["--nproc-per-node", "2", "--spares", "1"])
+    finally:
+        done.set()
+        watcher.join(10)
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
+    assert "host 1 rejoined (its launcher's start 1): spares ['s1.r1.0'] join the pool" \
+        in run.logs[0], run.describe()
+    assert "rejoined a running epoch as a standby host (spares hold its ranks) and 1 warm " \
+           "spares started" in run.logs[1], run.describe()
+    assert "rank 2 (worker w2 on host 1) was lost with its host: its launcher was started " \
+           "again (start 1)" in run.logs[0], run.describe()
+    assert _declarations(run) == [
+        "generation 1: ranks [2, 3] failed; spares {2: 's1.r1.0', 3: 's0.0'} take their places",
+        "generation 2: ranks [0] failed; spares {0: 's0.1'} take their places"], run.describe()
+    assert "worker s1.r1.0 took rank 2 in generation 1" in run.logs[1], run.describe()
 
 
 def test_standby_hosts_hold_no_rank() -> None:

@@ -88,11 +88,15 @@ def signal_request(worker: str) -> str:
 
 
 def host_report(node: int) -> str:
-    return f"dp/host/{node}"  # json {seq, workers: {id: progress view}}: heartbeat + progress
+    return f"dp/host/{node}"  # json {seq, inc, workers: {id: view}}: heartbeat + progress
 
 
 def node_spares(node: int) -> str:
     return f"dp/node{node}/spares"  # json list of the spare ids that host started
+
+
+def host_starts(node: int) -> str:
+    return f"dp/node{node}/starts"  # counter: that host's launcher starts in this epoch
 
 
 # -- keys outside every epoch: the launchers' own lifecycle -----------------------------

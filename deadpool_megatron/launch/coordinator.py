@@ -73,6 +73,7 @@ class Coordinator:
         self.spares: list[str] = []
         self.hosts_seen: dict[int, list[str]] = {}  # host -> its workers (ranks, spares)
         self.lost_hosts: set[int] = set()  # their reports stopped
+        self.incarnations: dict[int, int] = {}  # host -> its launcher's start (0: the first)
         self.gone: set[str] = set()  # exited, or declared lost (hung, or its host lost)
         self.failed: set[str] = set()
         self.no_recovery = ""  # why the ranks found no recovery, if one exited so
@@ -216,7 +217,8 @@ class Coordinator:
         try:
             report = json.loads(raw)
             if isinstance(report, dict) and isinstance(report.get("seq"), int) \
-                    and isinstance(report.get("workers"), dict):
+                    and isinstance(report.get("workers"), dict) \
+                    and isinstance(report.get("inc", 0), int):
                 return report
         except ValueError:
             pass
@@ -264,8 +266,8 @@ class Coordinator:
         log.warning("deadpool-launch: rank %d (worker %s on host %d) %s%s", rank, worker,
                     self.cfg.host_of(worker),
                     {"exit": f"exited with {returncode}", "hang": "is hung",
-                     "host": f"was lost with its host (no report for "
-                             f"{self.cfg.heartbeat_timeout:.1f} s)"}[how],
+                     "host": "was lost with its host" + ("" if reason else f" (no report for "
+                             f"{self.cfg.heartbeat_timeout:.1f} s)")}[how],
                     f": {reason.splitlines()[0][:300]}" if reason else "")
 
     def _replica_holders(self) -> list[list[int]] | None:
@@ -316,7 +318,7 @@ class Coordinator:
         for h in self.hosts_seen.keys() - self._reporting:  # a report, once written, stays
             if self.store.check([keys.host_report(h)]):
                 self._reporting.add(h)
-        hosts = [h for h in sorted(self._reporting) if h not in self.lost_hosts]
+        hosts = sorted(self._reporting)  # a lost host's too: its launcher may be restarted
         if not hosts:
             return
         views = []
@@ -325,6 +327,13 @@ class Coordinator:
         raws = self.store.read_many([keys.host_report(h) for h in hosts])
         for host, raw in zip(hosts, raws):
             report = self._host_report(host, raw)
+            known = self.incarnations.get(host, 0)
+            if report is not None and report.get("inc", 0) > known:
+                self._rejoin(host, report["inc"], now)
+            elif report is not None and report.get("inc", 0) < known:
+                report = None  # an earlier launcher of the host, cut off and back: no news
+            if host in self.lost_hosts:
+                continue
             seq, since = self._host_seq.get(host, (-1, now))
             if report is not None and report["seq"] != seq:
                 self._host_seq[host] = (report["seq"], now)
@@ -389,14 +398,35 @@ class Coordinator:
             stalled = min(stalled, now - self.declared_at)
         return stalled
 
-    def _lose_host(self, host: int, now: float, silent_s: float) -> None:
+    def _lose_host(self, host: int, now: float, silent_s: float, why: str = "") -> None:
         """A host's reports stopped: its launcher and workers are gone (or cut off). Its
         last report is its last sign of life (stalled_s: when the failure struck)."""
         self.lost_hosts.add(host)
         for worker in self.hosts_seen[host]:
             if worker not in self.gone and not self._done(worker):
-                self._kill(worker, "its host stopped reporting")
-                self._lost(worker, now, how="host", stalled_s=silent_s)
+                self._kill(worker, why or "its host stopped reporting")
+                self._lost(worker, now, how="host", detail=why, stalled_s=silent_s)
+
+    def _rejoin(self, host: int, incarnation: int, now: float) -> None:
+        """A host's launcher was started again (after a crash or a repair): whatever its
+        earlier launcher ran is gone, so the host is lost now if it was not yet (no need to
+        wait out its silence), and the new launcher's spares join the pool. Its ranks stay
+        with the spares that took them: it comes back as a standby host."""
+        spares = self._spares_of(host)
+        if spares is None or not all(s.startswith(f"s{host}.r{incarnation}.") for s in spares):
+            return  # its spare list is the earlier launcher's still: next scan
+        if host not in self.lost_hosts:
+            seen = self._host_seq.get(host, (-1, now))[1]
+            self._lose_host(host, now, silent_s=now - seen,
+                            why=f"its launcher was started again (start {incarnation})")
+        self.incarnations[host] = incarnation
+        self.lost_hosts.discard(host)
+        self._host_seq.pop(host, None)
+        self.hosts_seen[host] = list(spares)
+        self.spares += spares
+        self.events.emit("host_rejoined", host=host, incarnation=incarnation, spares=spares)
+        log.warning("deadpool-launch: host %d rejoined (its launcher's start %d): spares %s "
+                    "join the pool (%d spares)", host, incarnation, spares, len(self.spares))
 
     def _kill(self, worker: str, why: str) -> None:
         """Ask the worker's host to kill it (if that host still lives)."""

@@ -104,7 +104,7 @@ class Launcher:
         except BlockingIOError:
             pass
 
-    def _workers(self, epoch: int) -> LocalWorkers:
+    def _workers(self, epoch: int, incarnation: int = 0) -> LocalWorkers:
         store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         return LocalWorkers(self.cfg, self._cmd(epoch), store, self._worker_port(epoch),
                             self.ranks_per_node, epoch, self.console.open_epoch(epoch),
@@ -112,7 +112,7 @@ class Launcher:
                             progress_timeout_s=self.worker_ft.deadpool_progress_timeout
                             or 0.0,
                             startup_timeout_s=self.worker_ft.deadpool_startup_timeout,
-                            ignore_sigterm=self.hot_swap)
+                            ignore_sigterm=self.hot_swap, incarnation=incarnation)
 
     def _worker_port(self, epoch: int) -> int:
         """The store port the workers rendezvous on. With --deadpool, the control plane's
@@ -336,13 +336,16 @@ class Launcher:
             if end is not None:
                 self.control.set(keys.bye(cfg.node_rank), "1")
                 return end
-            workers = self._workers(epoch)
+            incarnation = self._start_count(epoch)
+            workers = self._workers(epoch, incarnation)
             try:
                 spares = workers.start()
-                ranks = cfg.local_ranks()
+                ranks = cfg.local_ranks() if not incarnation else range(0)
                 log.info("deadpool-launch: host %d, epoch %d: %s and %d warm spares started",
                          cfg.node_rank, epoch, f"ranks {ranks[0]}..{ranks[-1]}" if ranks
-                         else "a standby host: no rank", len(spares))
+                         else "a standby host: no rank" if not incarnation else
+                         "rejoined a running epoch as a standby host (spares hold its ranks)",
+                         len(spares))
                 try:
                     while workers.ended is None:  # host 0 announces it (kill counter)
                         workers.poll()
@@ -360,6 +363,18 @@ class Launcher:
                 workers.poll()
             finally:
                 workers.stop(0)  # on a lost control plane too: leave nothing behind
+
+    def _start_count(self, epoch: int) -> int:
+        """How many launchers of this host started in `epoch` before this one. After the
+        first, the host rejoins: its ranks went to spares when its earlier launcher was
+        lost, so it brings spares only, and needs some."""
+        store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
+        incarnation = store.add(keys.host_starts(self.cfg.node_rank), 1) - 1
+        if incarnation and self.cfg.spares <= 0:
+            raise LaunchError(f"host {self.cfg.node_rank} rejoins epoch {epoch} of a running "
+                              f"job (its earlier launcher was lost and spares took its ranks): "
+                              f"it runs spares only; give it --spares 1 or more")
+        return incarnation
 
     def _next_epoch(self, epoch: int) -> tuple[int, int | None]:
         """Wait for host 0 to open an epoch after `epoch` or end the job: (epoch, end)."""

@@ -39,9 +39,11 @@ REPORT_S = 0.2  # how often a host publishes its workers' progress (its heartbea
 DUMP_BEFORE_KILL_S = 0.3  # a hung worker prints its stacks (SIGUSR1) this long before SIGKILL
 
 
-def spare_ids(node: int, count: int) -> list[str]:
-    """Spare worker ids of one host; every id that starts with "s" is a spare."""
-    return [f"s{node}.{i}" for i in range(count)]
+def spare_ids(node: int, count: int, incarnation: int = 0) -> list[str]:
+    """Spare worker ids of one host; every id that starts with "s" is a spare. A host's
+    launcher started again in the same epoch (`incarnation` > 0) names its spares apart."""
+    again = f"r{incarnation}." if incarnation else ""
+    return [f"s{node}.{again}{i}" for i in range(count)]
 
 
 class LocalWorkers:
@@ -52,8 +54,11 @@ class LocalWorkers:
                  follow_s: float = REPORT_S, preloader: Preloader | None = None,
                  orphans: Orphans | None = None, progress_timeout_s: float = 0.0,
                  startup_timeout_s: float = progress.BEFORE_FIRST_ITERATION_S,
-                 ignore_sigterm: bool = False) -> None:
+                 ignore_sigterm: bool = False, incarnation: int = 0) -> None:
         self.cfg, self.cmd, self.store = cfg, list(cmd), store
+        # This host's launcher's start in this epoch: after the first (a launcher restarted
+        # after a crash or a repair), spares took its ranks, and it starts spares only.
+        self.incarnation = incarnation
         self.preloader = preloader  # forks the workers, if the host has one (launch/preload.py)
         # What a dead worker leaves behind is stopped (launch/orphans.py); the launcher's
         # own children are not: the preloader, and the workers it starts without one.
@@ -101,10 +106,11 @@ class LocalWorkers:
 
     def start(self) -> list[str]:
         """Start this host's active workers and spares; returns the spare ids."""
-        ranks = self.cfg.local_ranks()  # none on a standby host
+        # None on a standby host, or on a host that rejoins (its ranks are held by spares).
+        ranks = self.cfg.local_ranks() if not self.incarnation else range(0)
         for slot, rank in enumerate(ranks):
             self._start(f"w{rank}", rank, slot)
-        spares = spare_ids(self.cfg.node_rank, self.cfg.spares)
+        spares = spare_ids(self.cfg.node_rank, self.cfg.spares, self.incarnation)
         for i, worker in enumerate(spares):
             self._start(worker, None, len(ranks) + i)
         self.store.set(keys.node_spares(self.cfg.node_rank), json.dumps(spares))
@@ -174,7 +180,7 @@ class LocalWorkers:
             self._next_report = now + REPORT_S
             self._seq += 1
             self.store.set(keys.host_report(self.cfg.node_rank),
-                           json.dumps(host_report(self._seq, self.views())))
+                           json.dumps(host_report(self._seq, self.views(), self.incarnation)))
 
     def _follow_host0(self) -> None:
         """What host 0 (or deadpool-inject) asked since the kill counter last moved."""
@@ -334,8 +340,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def host_report(seq: int, views: dict[str, dict]) -> dict:
-    """What a host publishes every REPORT_S: its sequence number (its heartbeat), each live
+def host_report(seq: int, views: dict[str, dict], incarnation: int = 0) -> dict:
+    """What a host publishes every REPORT_S: its sequence number (its heartbeat), its
+    launcher's start in the epoch ("inc", when above 0: a launcher started again), each live
     worker's generation and iteration ("it": deadpool-inject waits on them), the workers
     inside a declared long operation ("long": while one builds, the stalled may wait for it),
     and the whole
@@ -343,7 +350,8 @@ def host_report(seq: int, views: dict[str, dict]) -> dict:
     stalled for half their timeout or more, or unable to run (control/hang.py). Host 0
     reads every host's report every 0.1 s: with every worker's view it parsed 16,384
     views per scan at 16,384 ranks (80 ms of CPU each time, bench_scale)."""
-    return {"seq": seq, "workers": {w: {**v, "mo": _others_monitor_age(w, views)}
+    return {"seq": seq, **({"inc": incarnation} if incarnation else {}),
+            "workers": {w: {**v, "mo": _others_monitor_age(w, views)}
                                     for w, v in views.items() if _suspect(v)},
             "it": {w: [v["g"], v["it"]] for w, v in views.items()},
             "long": sorted(w for w, v in views.items() if v["long"])}

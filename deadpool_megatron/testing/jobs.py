@@ -214,6 +214,7 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
               timeout_s: float = 400.0, env: dict[str, str] | None = None,
               script: Path = PRETRAIN_GPT,
               kill_host: tuple[int, str, float] | None = None,
+              restart_host: Sequence[str] | None = None,
               freeze_host: tuple[int, str, str] | None = None,
               term_host: tuple[int, str] | None = None,
               on_port: Callable[[int], None] | None = None,
@@ -222,7 +223,8 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     a free control-plane port, which the others are then given (no free-port race).
     logs[h] is host h's combined output. kill_host=(h, text, delay): SIGKILL host h's
     launcher with all its workers `delay` s after `text` appears in any host's log (a lost
-    host).
+    host). restart_host: the killed host's launcher is started again at once with these
+    flags (a host restarted after a crash or a repair); returncodes[h] is then the new one's.
     freeze_host=(h, text, thaw): SIGSTOP host h's launcher and workers when `text` appears
     in its log, SIGCONT them when `thaw` appears in host 0's (a host cut off for a while).
     term_host=(h, text): SIGTERM to host h's launcher and workers when `text` appears in its
@@ -248,12 +250,17 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
     def text(h: int) -> str:
         return _host_output(paths[h], worker_dirs[h])
 
-    def launch(h: int, port_args: list[str]) -> None:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "deadpool_megatron.launch", *hosts[h], *port_args,
+    def launch(h: int, port_args: list[str], flags: Sequence[str] | None = None) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deadpool_megatron.launch",
+             *(hosts[h] if flags is None else flags), *port_args,
              "--log-dir", str(worker_dirs[h]), str(script), *script_args], stdout=files[h],
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=run_env, cwd=str(REPO),
-            start_new_session=True))
+            start_new_session=True)
+        if h < len(procs):
+            procs[h] = proc  # started again
+        else:
+            procs.append(proc)
 
     try:
         multi = ["--nnodes", str(len(hosts))] if len(hosts) > 1 else []
@@ -284,6 +291,9 @@ def run_hosts(hosts: Sequence[Sequence[str]], script_args: Sequence[str], log_di
             elif killed_at is not None and time.monotonic() >= killed_at:
                 _kill_group(procs[kill_host[0]])
                 killed_at = float("inf")
+                if restart_host is not None:
+                    launch(kill_host[0], [*multi, "--node-rank", str(kill_host[0]),
+                                          "--master-port", str(port)], restart_host)
             elif freeze_host is not None and frozen is None and \
                     freeze_host[1] in text(freeze_host[0]):
                 os.killpg(procs[freeze_host[0]].pid, signal.SIGSTOP)
