@@ -125,6 +125,22 @@ def test_a_lost_hosts_launcher_started_again_rejoins_with_spares(tmp_path: Path)
     assert "worker s1.r1.0 took rank 2 in generation 1" in run.logs[1], run.describe()
 
 
+def test_without_deadpool_a_restarted_host_waits_for_the_next_epoch(tmp_path: Path) -> None:
+    """Without --deadpool no spare can be started: host 1's launcher, started again after
+    its loss, waits; the lost host restarts the job from --save (epoch 1), where it runs
+    its ranks again."""
+    hosts = [["--nproc-per-node", "2", "--spares", "0", *HB],
+             ["--nproc-per-node", "2", "--spares", "0"]]
+    run = run_hosts(hosts, ["--seconds", "4", "--save", str(tmp_path / "ckpt")], tmp_path,
+                    timeout_s=120, script=WORKER, kill_host=(1, "is rank 3", 0.5),
+                    restart_host=["--nproc-per-node", "2", "--spares", "0"])
+    assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
+    assert "host 1 rejoins epoch 0, which cannot take it back without --deadpool" \
+        in run.logs[1], run.describe()
+    for rank in (2, 3):
+        assert f"worker w{rank} is rank {rank} in epoch 1" in run.logs[1], run.describe()
+
+
 def test_standby_hosts_hold_no_rank() -> None:
     cfg = LaunchConfig(nproc_per_node=4, nnodes=4, standby_hosts=2, node_rank=3, spares=3,
                        master_port=1, job_token_file="t")

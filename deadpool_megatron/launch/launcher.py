@@ -337,6 +337,12 @@ class Launcher:
                 self.control.set(keys.bye(cfg.node_rank), "1")
                 return end
             incarnation = self._start_count(epoch)
+            if incarnation and not self.hot_swap:
+                log.warning("deadpool-launch: host %d rejoins epoch %d, which cannot take it "
+                            "back without --deadpool (its lost ranks end the epoch): waiting "
+                            "for host 0's next epoch (a restart from --save) or the end",
+                            cfg.node_rank, epoch)
+                continue
             workers = self._workers(epoch, incarnation)
             try:
                 spares = workers.start()
@@ -370,7 +376,7 @@ class Launcher:
         lost, so it brings spares only, and needs some."""
         store = SignedStore(self.root, self.token, keys.epoch_prefix(epoch))
         incarnation = store.add(keys.host_starts(self.cfg.node_rank), 1) - 1
-        if incarnation and self.cfg.spares <= 0:
+        if incarnation and self.hot_swap and self.cfg.spares <= 0:
             raise LaunchError(f"host {self.cfg.node_rank} rejoins epoch {epoch} of a running "
                               f"job (its earlier launcher was lost and spares took its ranks): "
                               f"it runs spares only; give it --spares 1 or more")
