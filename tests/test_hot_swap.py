@@ -19,14 +19,16 @@ ENV = {"DEADPOOL_CONTROL_TIMEOUT_S": "90"}
 
 def _launch(tmp: Path, name: str, faults: list[str], spares: int = 2,
             extra: list[str] = (), window: float = 0.05,
-            heartbeat_timeout: float = 10.0) -> tuple[JobResult, Path]:
+            heartbeat_timeout: float = 10.0,
+            launch_extra: list[str] = ()) -> tuple[JobResult, Path]:
     events = tmp / name / "events"
     args = [*GPT_3D_ARGS, "--train-iters", str(ITERS), "--deadpool",
             "--deadpool-events", str(events), *extra]
     for fault in faults:
         args += ["--deadpool-inject", fault]
     launch = ["--nproc-per-node", "8", "--spares", str(spares), "--logical-nodes", "2",
-              "--heartbeat-timeout", str(heartbeat_timeout), "--failure-window", str(window)]
+              "--heartbeat-timeout", str(heartbeat_timeout), "--failure-window", str(window),
+              *launch_extra]
     return run_launched(launch, args, tmp / name, timeout_s=400, env=ENV), events
 
 
@@ -143,6 +145,24 @@ def test_a_host_restarted_after_its_loss_brings_the_spares_that_take_its_ranks(
                         "'s1.r1.1', 6: 's1.r1.2', 7: 's1.r1.3'} take their places"), run.describe()
     spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["from_buddy"]}
     assert spares == {4, 5, 6, 7}, run.describe()
+
+
+@pytest.mark.fault_matrix
+def test_a_respawned_spare_takes_the_second_failure(tmp_path: Path, failure_free: str) -> None:
+    """One spare and --spare-respawns 1: rank 2 is killed at iteration 3 and takes the
+    spare; its device slot gets a new one, which takes rank 5, killed at iteration 6
+    (without it the second kill would find the pool empty); bit-exact."""
+    run, events = _launch(tmp_path, "respawn", ["kill rank=2 iter=3 phase=backward",
+                                                "kill rank=5 iter=6 phase=forward"],
+                          spares=1, launch_extra=["--spare-respawns", "1"])
+    assert run.ok, run.describe()
+    assert run.fingerprint == failure_free, run.describe()
+    assert "new spare s0.1 started in device slot 2, the slot of failed worker w2" \
+        in run.output, run.describe()
+    assert "generation 1: ranks [2] failed; spares {2: 's0.0'}" in run.output
+    assert "generation 2: ranks [5] failed; spares {5: 's0.1'}" in run.output, run.describe()
+    spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["from_buddy"]}
+    assert spares == {2, 5}, run.describe()
 
 
 @pytest.mark.fault_matrix

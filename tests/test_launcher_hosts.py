@@ -3,9 +3,11 @@ Slurm), with a stand-in worker that trains nothing, so the control plane is test
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -22,6 +24,26 @@ def _hosts(tmp: Path, name: str, spares: list[int], worker_args: list[str],
     hosts = [["--nproc-per-node", "2", "--spares", str(n), *HB] for n in spares]
     return run_hosts(hosts, ["--deadpool", *worker_args], tmp / name, timeout_s=120,
                      script=WORKER, **kw)
+
+
+@contextlib.contextmanager
+def _cue_when(log: Path, text: str, cue: Path) -> Iterator[None]:
+    """Create `cue` (control_worker.py --cue) once `text` appears in `log`."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if log.exists() and text in log.read_text(errors="replace"):
+                cue.touch()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(10)
 
 
 def _declarations(run: JobResult) -> list[str]:
@@ -90,18 +112,7 @@ def test_a_lost_hosts_launcher_started_again_rejoins_with_spares(tmp_path: Path)
     declaration and takes rank 2 (rank 2's buddy copy is on host 0), a spare of host 0
     rank 3; rank 0 then fails (cued once host 0 logged the rejoin) and takes the last."""
     cue = tmp_path / "cue"
-    done = threading.Event()
-
-    def cue_after_rejoin() -> None:
-        log = tmp_path / "host0.log"
-        while not done.wait(0.1):
-            if log.exists() and "host 1 rejoined" in log.read_text(errors="replace"):
-                cue.touch()
-                return
-
-    watcher = threading.Thread(target=cue_after_rejoin, daemon=True)
-    watcher.start()
-    try:
+    with _cue_when(tmp_path / "host0.log", "host 1 rejoined", cue):
         # Heartbeats would tell the loss only after 60 s: the restart must tell it.
         hosts = [["--nproc-per-node", "2", "--spares", "2", "--heartbeat-timeout", "60"],
                  ["--nproc-per-node", "2", "--spares", "0"]]
@@ -109,9 +120,6 @@ def test_a_lost_hosts_launcher_started_again_rejoins_with_spares(tmp_path: Path)
                                 "--fail-after", "0.5", "--cue", str(cue)], tmp_path,
                         timeout_s=120, script=WORKER, kill_host=(1, "is rank 3", 0.5),
                         restart_host=["--nproc-per-node", "2", "--spares", "1"])
-    finally:
-        done.set()
-        watcher.join(10)
     assert run.returncodes == [0, 0] and not run.timed_out, run.describe()
     assert "host 1 rejoined (its launcher's start 1): spares ['s1.r1.0'] join the pool" \
         in run.logs[0], run.describe()
@@ -123,6 +131,28 @@ def test_a_lost_hosts_launcher_started_again_rejoins_with_spares(tmp_path: Path)
         "generation 1: ranks [2, 3] failed; spares {2: 's1.r1.0', 3: 's0.0'} take their places",
         "generation 2: ranks [0] failed; spares {0: 's0.1'} take their places"], run.describe()
     assert "worker s1.r1.0 took rank 2 in generation 1" in run.logs[1], run.describe()
+
+
+def test_a_failed_workers_device_slot_gets_a_new_spare(tmp_path: Path) -> None:
+    """--spare-respawns 1: rank 0 fails and takes the only spare; once that is declared its
+    slot (0) gets a new spare, which host 0 adds to the pool; rank 1 then fails (cued by
+    that) and takes it. The budget spent, rank 1's slot gets none."""
+    cue = tmp_path / "cue"
+    with _cue_when(tmp_path / "launcher.log", "started new spares ['s0.1']", cue):
+        run = run_hosts([["--nproc-per-node", "2", "--logical-nodes", "2", "--spares", "1",
+                          "--spare-respawns", "1", *HB]],
+                        ["--deadpool", "--seconds", "60", "--fail-rank", "0", "--fail-after",
+                         "0.5", "--cue", str(cue), "--cue-rank", "1"], tmp_path,
+                        timeout_s=120, script=WORKER)
+    assert run.returncodes == [0] and not run.timed_out, run.describe()
+    out = run.logs[0]
+    assert _declarations(run) == [
+        "generation 1: ranks [0] failed; spares {0: 's0.0'} take their places",
+        "generation 2: ranks [1] failed; spares {1: 's0.1'} take their places"], run.describe()
+    assert "new spare s0.1 started in device slot 0, the slot of failed worker w0" in out
+    assert "worker s0.1 device slot 0" in out and "worker s0.1 took rank 1 in generation 2" \
+        in out, run.describe()
+    assert "s0.2" not in out, run.describe()
 
 
 def test_without_deadpool_a_restarted_host_waits_for_the_next_epoch(tmp_path: Path) -> None:
@@ -181,6 +211,7 @@ def test_a_host_that_never_joins_ends_the_job_with_its_name(tmp_path: Path) -> N
     ({"spares": -1}, "--spares must be non-negative"),
     ({"nnodes": 2}, "--nnodes 2 needs --job-token-file"),
     ({"standby_hosts": -1}, "--standby-hosts must be non-negative"),
+    ({"spare_respawns": -1}, "--spare-respawns must be non-negative"),
     ({"nnodes": 2, "standby_hosts": 2, "job_token_file": "t"},
      "--standby-hosts 2 leaves no training host of --nnodes 2: at most 1 standby host(s)"),
     ({"nnodes": 3, "standby_hosts": 1, "node_rank": 2, "master_port": 1, "job_token_file": "t"},

@@ -61,7 +61,7 @@ EXITS = "dp/exits"  # counter: bumped after each exit_report
 # the workers whose exit reports were written, "w3,s1.0,...", appended (unsigned: a hint of
 # which signed report to read)
 EXITED = "dp/exited"
-KILLS = "dp/kills"  # counter: bumped after each kill_request, signal request and shutdown
+KILLS = "dp/kills"  # counter: bumped after kill, respawn and signal requests and shutdown
 FLUSH_REQUESTS = "dp/flush_requests"  # counter: bumped after each flush_request
 
 
@@ -71,6 +71,10 @@ def exit_report(worker: str) -> str:
 
 def kill_request(worker: str) -> str:
     return f"dp/kill/{worker}"  # host 0 asks the worker's host to SIGKILL it (hung)
+
+
+def respawn_request(worker: str) -> str:
+    return f"dp/respawn/{worker}"  # host 0 asks for a new spare in the failed worker's slot
 
 
 # deadpool-inject (faults/remote.py): a request per fault, then a counter bump; a signal

@@ -175,8 +175,8 @@ def parser() -> argparse.ArgumentParser:
                             "raise hit one rank; node kills a failure domain's ranks at "
                             "once, as a lost host")
     chaos.add_argument("--max-faults", type=int, default=1_000_000,
-                       help="at most this many (spares are not replenished: keep it at or "
-                            "under the job's spares)")
+                       help="at most this many (keep it at or under the job's spares plus "
+                            "deadpool-launch's --spare-respawns)")
     chaos.add_argument("--in-recovery", type=float, default=0.0, metavar="P",
                        help="the probability that a fault (after the first) lands during "
                             "the last one's recovery, up to %.1f s after its declaration, "

@@ -29,6 +29,11 @@ class LaunchConfig:
         "their --spares, ready to take the ranks of a lost host. Give every host the same "
         "value; the job's world is then (--nnodes - N) x --nproc-per-node (less host 0 "
         "with --control-only)."))
+    spare_respawns: int = field(default=0, metadata=flag(
+        "Host 0: after a failed worker's recovery is declared, its host (if it lives) starts "
+        "a new warm spare in its device slot, at most N times in an epoch, so that the pool "
+        "does not shrink with each software failure or hang (the process died, not its "
+        "device; a new spare that dies before taking a rank gets no successor). 0: never."))
     logical_nodes: int = field(default=1, metadata=flag(
         "Split each host's workers into N failure domains (rehearsal on one host)."))
     heartbeat_timeout: float = field(default=10.0, metadata=flag(
@@ -122,6 +127,8 @@ class LaunchConfig:
         if self.logical_nodes <= 0 or self.nproc_per_node % self.logical_nodes:
             raise LaunchError(f"--logical-nodes {self.logical_nodes} must divide "
                               f"--nproc-per-node {self.nproc_per_node}")
+        if self.spare_respawns < 0:
+            raise LaunchError(f"--spare-respawns must be non-negative, got {self.spare_respawns}")
         if self.standby_hosts < 0:
             raise LaunchError(f"--standby-hosts must be non-negative, got {self.standby_hosts}")
         if not self.training_hosts:

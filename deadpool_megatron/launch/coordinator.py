@@ -74,6 +74,7 @@ class Coordinator:
         self.hosts_seen: dict[int, list[str]] = {}  # host -> its workers (ranks, spares)
         self.lost_hosts: set[int] = set()  # their reports stopped
         self.incarnations: dict[int, int] = {}  # host -> its launcher's start (0: the first)
+        self.respawns_left = cfg.spare_respawns  # new spares in failed workers' slots
         self.gone: set[str] = set()  # exited, or declared lost (hung, or its host lost)
         self.failed: set[str] = set()
         self.no_recovery = ""  # why the ranks found no recovery, if one exited so
@@ -334,6 +335,8 @@ class Coordinator:
                 report = None  # an earlier launcher of the host, cut off and back: no news
             if host in self.lost_hosts:
                 continue
+            if report is not None and isinstance(report.get("sp"), int):
+                self._more_spares(host, report["sp"])
             seq, since = self._host_seq.get(host, (-1, now))
             if report is not None and report["seq"] != seq:
                 self._host_seq[host] = (report["seq"], now)
@@ -481,7 +484,38 @@ class Coordinator:
         self.generation, self.current = plan.generation, plan.rank_to_worker
         self._member_workers = set(self.current.values())
         self.declared_at = time.monotonic()
+        self._respawn(self.failed)
         self.failed.clear()
+
+    def _respawn(self, failed: set[str]) -> None:
+        """Ask each failed worker's host, if it lives, for a new spare in the worker's
+        device slot (--spare-respawns, counted per epoch): the process died, not its
+        device. The host registers the spare (`_more_spares`) once it started it."""
+        asked = []
+        for worker in sorted(failed):
+            if self.respawns_left > 0 and self.cfg.host_of(worker) not in self.lost_hosts:
+                self.respawns_left -= 1
+                self.store.set(keys.respawn_request(worker), "1")
+                asked.append(worker)
+        if asked:
+            self.store.add(keys.KILLS, 1)  # the hosts read their requests when it moves
+            log.info("deadpool-launch: new spares asked in the device slots of %s (%d more "
+                     "allowed in this epoch)", asked, self.respawns_left)
+
+    def _more_spares(self, host: int, registered: int) -> None:
+        """A host reports more spares than it registered before (respawned ones): the new
+        ids join the pool."""
+        known = [w for w in self.hosts_seen.get(host, []) if w.startswith("s")]
+        if registered <= len(known) or host not in self.hosts_seen:
+            return
+        spares = self._spares_of(host) or []
+        new = [s for s in spares if s not in known]
+        self.hosts_seen[host] += new
+        self.spares += [s for s in new if s not in self.gone]
+        if new:
+            self.events.emit("spares_added", host=host, spares=new)
+            log.warning("deadpool-launch: host %d started new spares %s (%d spares)", host,
+                        new, len(self.spares))
 
     def _alike_before_built(self) -> str:
         """Why the job ends, where workers failed alike, each of its own error, before the

@@ -430,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchError(f"--spares {cfg.spares} needs --deadpool on the training script "
                               f"(spares take failed ranks only with hot-swap); add --deadpool "
                               f"or launch with --spares 0")
+        if cfg.spare_respawns and not flags.deadpool.deadpool:
+            raise LaunchError(f"--spare-respawns {cfg.spare_respawns} needs --deadpool on the "
+                              f"training script (spares take failed ranks only with hot-swap)")
         token = _job_token(cfg)
     except (LaunchError, TokenError, ConfigError) as err:
         parser.error(str(err))  # exit status 2, like every other bad flag

@@ -68,6 +68,10 @@ class LocalWorkers:
         self.log_dir = log_dir  # each worker's output: log_dir/<worker>.log (launch/console.py)
         self.master_port, self.ranks_per_node, self.epoch = master_port, ranks_per_node, epoch
         self.procs: dict[str, subprocess.Popen | PreloadedProcess] = {}
+        self.slots: dict[str, int] = {}  # worker -> its device slot
+        self.spares: list[str] = []  # the spares registered (keys.node_spares), in order
+        self._respawn_due: list[str] = []  # failed workers whose slot gets a new spare
+        self._respawn_asked: set[str] = set()  # ... once each
         self._ranked: dict[str, int] = {}  # worker started as a rank -> when (ns)
         # The workers' --deadpool-progress-timeout (0: derived) and --deadpool-startup-
         # timeout, for a worker stopped before it made its progress record (`views`).
@@ -113,8 +117,22 @@ class LocalWorkers:
         spares = spare_ids(self.cfg.node_rank, self.cfg.spares, self.incarnation)
         for i, worker in enumerate(spares):
             self._start(worker, None, len(ranks) + i)
+        self.spares = list(spares)
         self.store.set(keys.node_spares(self.cfg.node_rank), json.dumps(spares))
         return spares
+
+    def _respawn(self) -> None:
+        """A new spare in the device slot of each failed worker host 0 asked it for
+        (--spare-respawns), once that worker's process is gone; host 0 sees it in the next
+        report ("sp") and adds it to the pool."""
+        for worker in [w for w in self._respawn_due if self.procs[w].poll() is not None]:
+            self._respawn_due.remove(worker)
+            new = spare_ids(self.cfg.node_rank, len(self.spares) + 1, self.incarnation)[-1]
+            self._start(new, None, self.slots[worker])
+            self.spares.append(new)
+            self.store.set(keys.node_spares(self.cfg.node_rank), json.dumps(self.spares))
+            log.warning("deadpool-launch: new spare %s started in device slot %d, the slot "
+                        "of failed worker %s", new, self.slots[worker], worker)
 
     def _start(self, worker: str, rank: int | None, slot: int) -> None:
         own = self._env(worker, rank, slot)
@@ -143,6 +161,7 @@ class LocalWorkers:
         except OSError:
             pass
         self.procs[worker] = proc
+        self.slots[worker] = slot
         if rank is not None:
             self._ranked[worker] = progress.now_ns()
 
@@ -176,11 +195,15 @@ class LocalWorkers:
             if now >= at:
                 self.procs[worker].kill()
                 del self._kill_at[worker]
+        if self._respawn_due and self.ended is None:
+            self._respawn()
         if now >= self._next_report:
             self._next_report = now + REPORT_S
             self._seq += 1
-            self.store.set(keys.host_report(self.cfg.node_rank),
-                           json.dumps(host_report(self._seq, self.views(), self.incarnation)))
+            respawned = len(self.spares) > self.cfg.spares
+            self.store.set(keys.host_report(self.cfg.node_rank), json.dumps(host_report(
+                self._seq, self.views(), self.incarnation,
+                len(self.spares) if respawned else None)))
 
     def _follow_host0(self) -> None:
         """What host 0 (or deadpool-inject) asked since the kill counter last moved."""
@@ -190,6 +213,11 @@ class LocalWorkers:
         if kills != self._kills_seen:
             self._kills_seen = kills
             self.ended = self.store.read(keys.SHUTDOWN)
+            # Asked after a failure is declared: the worker exited, or is being killed (hung).
+            self._respawn_due += [w for w in sorted(self.reported | set(self._kill_at))
+                                  if w not in self._respawn_asked
+                                  and self.store.read(keys.respawn_request(w)) is not None]
+            self._respawn_asked.update(self._respawn_due)
             for worker, proc in self.procs.items():
                 why = None if proc.poll() is not None or worker in self._kill_at \
                     else self.store.read(keys.kill_request(worker))
@@ -340,9 +368,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def host_report(seq: int, views: dict[str, dict], incarnation: int = 0) -> dict:
+def host_report(seq: int, views: dict[str, dict], incarnation: int = 0,
+                spares: int | None = None) -> dict:
     """What a host publishes every REPORT_S: its sequence number (its heartbeat), its
-    launcher's start in the epoch ("inc", when above 0: a launcher started again), each live
+    launcher's start in the epoch ("inc", when above 0: a launcher started again), the
+    spares it registered ("sp", once it started new ones: --spare-respawns), each live
     worker's generation and iteration ("it": deadpool-inject waits on them), the workers
     inside a declared long operation ("long": while one builds, the stalled may wait for it),
     and the whole
@@ -351,6 +381,7 @@ def host_report(seq: int, views: dict[str, dict], incarnation: int = 0) -> dict:
     reads every host's report every 0.1 s: with every worker's view it parsed 16,384
     views per scan at 16,384 ranks (80 ms of CPU each time, bench_scale)."""
     return {"seq": seq, **({"inc": incarnation} if incarnation else {}),
+            **({"sp": spares} if spares is not None else {}),
             "workers": {w: {**v, "mo": _others_monitor_age(w, views)}
                                     for w, v in views.items() if _suspect(v)},
             "it": {w: [v["g"], v["it"]] for w, v in views.items()},

@@ -29,6 +29,8 @@ def main() -> int:
                              "stopped (as Megatron's checkpoint writer starts a Manager)")
     parser.add_argument("--cue", help="a file: --seconds and --fail-after count from when it "
                                       "appears (a test's cue), not from the start")
+    parser.add_argument("--cue-rank", type=int, action="append", default=[],
+                        help="with --cue: the ranks that wait for it (default: every rank)")
     parser.add_argument("--deadpool", action="store_true")  # what the launcher looks for
     parser.add_argument("--save")  # accepted (the launcher reads it), unused
     parser.add_argument("--load")
@@ -49,11 +51,11 @@ def main() -> int:
             rank = int(os.environ["RANK"])
             start = time.monotonic()
             print(f"worker {ctl.worker} is rank {rank} in epoch {ctl.epoch}", flush=True)
-            cued = args.cue is None
+            cued = args.cue is None or bool(args.cue_rank) and rank not in args.cue_rank
             while not cued or time.monotonic() - start < args.seconds:
                 if not cued and os.path.exists(args.cue):
                     cued, start = True, time.monotonic()
-                if cued and first_epoch and rank in args.fail_rank and \
+                if cued and first_epoch and rank in {*args.fail_rank, *args.cue_rank} and \
                         time.monotonic() - start > args.fail_after:
                     print(f"rank {rank} fails on cue", flush=True)
                     if args.fail_by == "sigkill":
