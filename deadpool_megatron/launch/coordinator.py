@@ -26,6 +26,7 @@ from deadpool_megatron.control.policy import (CONFIG_REFUSED_RC, RECOVERY_IMPOSS
                                               check_recoverable)
 from deadpool_megatron.faults.remote import RequestReader
 from deadpool_megatron.launch.config import LaunchConfig
+from deadpool_megatron.launch.pool import SparePool
 from deadpool_megatron.metrics.events import EventLog
 from deadpool_megatron.topology import buddy_of, ward_of
 
@@ -59,7 +60,7 @@ class EpochEnded(Exception):
         self.returncode, self.flush, self.lost = returncode, flush, lost or []
 
 
-class Coordinator:
+class Coordinator(SparePool):
     def __init__(self, cfg: LaunchConfig, store: SignedStore, ranks_per_node: int,
                  allow_same_node: bool, events: EventLog, hot_swap: bool = True) -> None:
         self.cfg, self.store, self.events = cfg, store, events
@@ -103,7 +104,11 @@ class Coordinator:
 
     # -- one tick of the control loop; raises EpochEnded when the epoch is over ----------
     def tick(self, now: float) -> None:
-        self._discover_spares()
+        missing = self._discover_spares()
+        if missing:
+            raise EpochEnded(1, f"hosts {missing} never joined within --join-timeout "
+                                f"{self.cfg.join_timeout:.0f} s; start one deadpool-launch "
+                                f"per host with --master-addr/--master-port of host 0")
         exits = self.store.add(keys.EXITS, 0)
         if exits != self._exits_seen:
             self._exits_seen = exits
@@ -134,24 +139,6 @@ class Coordinator:
                              workers=r.workers, generation=r.generation, delivery=r.delivery)
             log.warning("deadpool-launch: deadpool-inject #%d: '%s' on ranks %s (workers %s)",
                         r.id, r.spec, r.ranks, r.workers)
-
-    def _discover_spares(self) -> None:
-        """Spares join as each host's launcher registers them (hosts start at any time),
-        a standby host's too."""
-        hosts = self.cfg.worker_hosts
-        if len(self.hosts_seen) == len(hosts):
-            return
-        for host in hosts:
-            spares = None if host in self.hosts_seen else self._spares_of(host)
-            if spares is not None:
-                self.hosts_seen[host] = [f"w{r}" for r in self.cfg.ranks_of(host)]
-                self.hosts_seen[host] += spares
-                self.spares += [s for s in spares if s not in self.gone]
-        if len(self.hosts_seen) < len(hosts) and time.monotonic() > self._join_deadline:
-            missing = sorted(set(hosts) - set(self.hosts_seen))
-            raise EpochEnded(1, f"hosts {missing} never joined within --join-timeout "
-                                f"{self.cfg.join_timeout:.0f} s; start one deadpool-launch "
-                                f"per host with --master-addr/--master-port of host 0")
 
     # -- what the hosts wrote: authenticated (control/auth.py) and parsed, never trusted ----
     def _exit_hints(self) -> list[str]:
@@ -195,22 +182,6 @@ class Coordinator:
             log.warning("deadpool-launch: ignored a malformed exit report of %s: %r", worker,
                         value[:80])
             return None
-
-    def _spares_of(self, host: int) -> list[str] | None:
-        """The spare ids a host registered (each must name that host), or None."""
-        value = self.store.read(keys.node_spares(host))
-        if value is None:
-            return None
-        try:
-            spares = json.loads(value)
-            if isinstance(spares, list) and all(isinstance(s, str) and
-                                                s.startswith(f"s{host}.") for s in spares):
-                return spares
-        except ValueError:
-            pass
-        log.warning("deadpool-launch: ignored a malformed spare list of host %d: %r", host,
-                    value[:80])
-        return None
 
     def _host_report(self, host: int, raw: bytes | None) -> dict | None:
         if raw is None:
@@ -410,27 +381,6 @@ class Coordinator:
                 self._kill(worker, why or "its host stopped reporting")
                 self._lost(worker, now, how="host", detail=why, stalled_s=silent_s)
 
-    def _rejoin(self, host: int, incarnation: int, now: float) -> None:
-        """A host's launcher was started again (after a crash or a repair): whatever its
-        earlier launcher ran is gone, so the host is lost now if it was not yet (no need to
-        wait out its silence), and the new launcher's spares join the pool. Its ranks stay
-        with the spares that took them: it comes back as a standby host."""
-        spares = self._spares_of(host)
-        if spares is None or not all(s.startswith(f"s{host}.r{incarnation}.") for s in spares):
-            return  # its spare list is the earlier launcher's still: next scan
-        if host not in self.lost_hosts:
-            seen = self._host_seq.get(host, (-1, now))[1]
-            self._lose_host(host, now, silent_s=now - seen,
-                            why=f"its launcher was started again (start {incarnation})")
-        self.incarnations[host] = incarnation
-        self.lost_hosts.discard(host)
-        self._host_seq.pop(host, None)
-        self.hosts_seen[host] = list(spares)
-        self.spares += spares
-        self.events.emit("host_rejoined", host=host, incarnation=incarnation, spares=spares)
-        log.warning("deadpool-launch: host %d rejoined (its launcher's start %d): spares %s "
-                    "join the pool (%d spares)", host, incarnation, spares, len(self.spares))
-
     def _kill(self, worker: str, why: str) -> None:
         """Ask the worker's host to kill it (if that host still lives)."""
         self.store.set(keys.kill_request(worker), why)
@@ -486,36 +436,6 @@ class Coordinator:
         self.declared_at = time.monotonic()
         self._respawn(self.failed)
         self.failed.clear()
-
-    def _respawn(self, failed: set[str]) -> None:
-        """Ask each failed worker's host, if it lives, for a new spare in the worker's
-        device slot (--spare-respawns, counted per epoch): the process died, not its
-        device. The host registers the spare (`_more_spares`) once it started it."""
-        asked = []
-        for worker in sorted(failed):
-            if self.respawns_left > 0 and self.cfg.host_of(worker) not in self.lost_hosts:
-                self.respawns_left -= 1
-                self.store.set(keys.respawn_request(worker), "1")
-                asked.append(worker)
-        if asked:
-            self.store.add(keys.KILLS, 1)  # the hosts read their requests when it moves
-            log.info("deadpool-launch: new spares asked in the device slots of %s (%d more "
-                     "allowed in this epoch)", asked, self.respawns_left)
-
-    def _more_spares(self, host: int, registered: int) -> None:
-        """A host reports more spares than it registered before (respawned ones): the new
-        ids join the pool."""
-        known = [w for w in self.hosts_seen.get(host, []) if w.startswith("s")]
-        if registered <= len(known) or host not in self.hosts_seen:
-            return
-        spares = self._spares_of(host) or []
-        new = [s for s in spares if s not in known]
-        self.hosts_seen[host] += new
-        self.spares += [s for s in new if s not in self.gone]
-        if new:
-            self.events.emit("spares_added", host=host, spares=new)
-            log.warning("deadpool-launch: host %d started new spares %s (%d spares)", host,
-                        new, len(self.spares))
 
     def _alike_before_built(self) -> str:
         """Why the job ends, where workers failed alike, each of its own error, before the
