@@ -325,9 +325,6 @@ class Launcher:
                               f"with {theirs}: give every host the same --nnodes, "
                               f"--nproc-per-node and --standby-hosts")
         self.cfg = dataclasses.replace(self.cfg, control_only=bool(layout["control_only"]))
-        if self.cfg.node_rank not in self.cfg.worker_hosts:
-            raise LaunchError("host 0 is the control-only host: training hosts are "
-                              "--node-rank 1 .. --nnodes - 1")
 
     def _run_other_host(self) -> int:
         cfg, epoch = self.cfg, -1
@@ -346,7 +343,7 @@ class Launcher:
             workers = self._workers(epoch, incarnation)
             try:
                 spares = workers.start()
-                ranks = cfg.local_ranks() if not incarnation else range(0)
+                ranks = workers.ranks
                 log.info("deadpool-launch: host %d, epoch %d: %s and %d warm spares started",
                          cfg.node_rank, epoch, f"ranks {ranks[0]}..{ranks[-1]}" if ranks
                          else "a standby host: no rank" if not incarnation else

@@ -108,10 +108,15 @@ class LocalWorkers:
             env["RANK"] = str(rank)
         return env
 
+    @property
+    def ranks(self) -> range:
+        """The ranks this host starts: none on a standby host, or on a host that rejoins a
+        running epoch (spares hold its ranks by then)."""
+        return self.cfg.local_ranks() if not self.incarnation else range(0)
+
     def start(self) -> list[str]:
         """Start this host's active workers and spares; returns the spare ids."""
-        # None on a standby host, or on a host that rejoins (its ranks are held by spares).
-        ranks = self.cfg.local_ranks() if not self.incarnation else range(0)
+        ranks = self.ranks
         for slot, rank in enumerate(ranks):
             self._start(f"w{rank}", rank, slot)
         spares = spare_ids(self.cfg.node_rank, self.cfg.spares, self.incarnation)
