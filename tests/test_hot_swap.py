@@ -149,18 +149,22 @@ def test_a_host_restarted_after_its_loss_brings_the_spares_that_take_its_ranks(
 
 @pytest.mark.fault_matrix
 def test_a_respawned_spare_takes_the_second_failure(tmp_path: Path, failure_free: str) -> None:
-    """One spare and --spare-respawns 1: rank 2 is killed at iteration 3 and takes the
-    spare; its device slot gets a new one, which takes rank 5, killed at iteration 6
-    (without it the second kill would find the pool empty); bit-exact."""
-    run, events = _launch(tmp_path, "respawn", ["kill rank=2 iter=3 phase=backward",
+    """One spare and --spare-respawns 1: rank 2 hangs (SIGSTOP) at iteration 3, is found
+    hung, killed, and takes the spare; its device slot gets a new one once the hung process
+    is gone, which takes rank 5, killed at iteration 6 (without it the second kill would
+    find the pool empty); bit-exact."""
+    run, events = _launch(tmp_path, "respawn", ["hang rank=2 iter=3 phase=backward",
                                                 "kill rank=5 iter=6 phase=forward"],
-                          spares=1, launch_extra=["--spare-respawns", "1"])
+                          spares=1, launch_extra=["--spare-respawns", "1"],
+                          extra=["--deadpool-progress-timeout", "3"])
     assert run.ok, run.describe()
     assert run.fingerprint == failure_free, run.describe()
     assert "new spare s0.1 started in device slot 2, the slot of failed worker w2" \
         in run.output, run.describe()
     assert "generation 1: ranks [2] failed; spares {2: 's0.0'}" in run.output
     assert "generation 2: ranks [5] failed; spares {5: 's0.1'}" in run.output, run.describe()
+    detected = [(e["rank"], e["how"]) for e in _events(events) if e["event"] == "failure_detected"]
+    assert detected == [(2, "hang"), (5, "exit")], detected
     spares = {e["rank"] for e in _events(events) if e["event"] == "recovered" and e["from_buddy"]}
     assert spares == {2, 5}, run.describe()
 
