@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only work
 TESTED = {
     "paged-stash-import", "cpu-rng-tracker", "recompute-rng-state",
     "sequence-parallel-torch-norm", "cuda-device-literals", "cuda-tensor-type-names",
-    "cuda-streams", "cuda-synchronize", "checkpoint-writer-fork", "batch-p2p-sync",
+    "cuda-streams", "cuda-synchronize", "cuda-seed-stack", "checkpoint-writer-fork", "batch-p2p-sync",
     "jit-fuser-off",
     "shared-gloo-groups", "typing-override", "megatron-lm-one-device",
     "megatron-lm-device-properties", "megatron-lm-ddp-stream", "megatron-lm-cuda-rng-state",
@@ -347,6 +347,32 @@ def test_cuda_synchronize_needed_and_works() -> None:
         torch.cuda.synchronize()
     with CpuRehearsal():
         torch.cuda.synchronize()
+
+
+def test_cuda_seed_stack_needed_and_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeding CUDA without CUDA formats the caller's stack (kept for a CUDA start that never
+    comes); inside the rehearsal it does nothing, and the CPU generator is seeded as ever."""
+    import inspect
+    import traceback
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    assert "torch.cuda.manual_seed(" in inspect.getsource(mrandom.model_parallel_cuda_manual_seed)
+    formatted = []
+    real = traceback.format_stack
+    monkeypatch.setattr(traceback, "format_stack", lambda *a: formatted.append(1) or real(*a))
+    torch.manual_seed(5)
+    torch.cuda.manual_seed(5)
+    seeded = len(formatted)
+    assert seeded, "torch seeds CUDA lazily without a stack: retire 'cuda-seed-stack'"
+    with CpuRehearsal():
+        torch.manual_seed(7)
+        torch.cuda.manual_seed(7)
+        torch.cuda.manual_seed_all(7)
+        assert torch.initial_seed() == 7
+    assert len(formatted) == seeded
+    torch.cuda.manual_seed(1)
+    assert len(formatted) > seeded  # restored on exit
 
 
 def test_checkpoint_writer_fork_needed_and_works() -> None:

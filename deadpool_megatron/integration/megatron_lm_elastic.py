@@ -33,13 +33,17 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Iterator, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NoReturn
 
 from deadpool_megatron.hooks import LoopState, TrainingHooks
 from deadpool_megatron.integration import live
 from deadpool_megatron.integration.checkpoint import megatron_saves_declared
+from deadpool_megatron.integration.spare_jit import JitWarmedAhead
 from deadpool_megatron.integration.spare_loaders import SpareLoaders
 from deadpool_megatron.reconstruct.rebind import NotWalked
+
+if TYPE_CHECKING:
+    from deadpool_megatron.ft_config import DeadPoolConfig
 
 log = logging.getLogger("deadpool_megatron.megatron_lm")
 
@@ -251,6 +255,7 @@ class MegatronLmLoop:
         self.result: Any = None
         self.prebuilt: _Prebuilt | None = None  # a spare's datasets, built while it waited
         self.loaders = SpareLoaders({})  # and its data loaders' workers, started then
+        self.jit = JitWarmedAhead()  # and Megatron's JIT warm-up, run then
 
     @contextlib.contextmanager
     def groups_patched(self, timeout: timedelta) -> Iterator[None]:
@@ -278,13 +283,18 @@ class MegatronLmLoop:
 
     def prepare_spare(self) -> None:
         """The script imported Megatron and parsed its arguments already. While it waits, a
-        spare builds the datasets: Megatron's datasets are the same at every coordinate
+        spare imports what the build would import late, runs Megatron's JIT warm-up
+        (spare_jit.py), and builds the datasets: Megatron's datasets are the same at every coordinate
         (the sampler, built at the assignment, takes a rank's share), and building them was
         0.4 s of a spare's 1 s build alone (8 ranks, mock data). Without a world yet, the
         builder makes no collective. A provider that fails here is called again then."""
         import torch
         from megatron.training import training
 
+        from deadpool_megatron.reconstruct.spare import warm_up_imports
+
+        warm_up_imports()  # what Megatron imports only inside its build (the optimizer's)
+        self.jit.warm(self.device)
         t0 = time.perf_counter()
         try:
             provider = self._provider()
@@ -340,7 +350,8 @@ class MegatronLmLoop:
             loaders.close()
         try:
             args, kwargs = self._pretrain_args(thread.spare)
-            with on_parsed_arguments(), loaders.handed_over(), hot_swap, saves:
+            jit = self.jit.skipped_once() if thread.spare else contextlib.nullcontext()
+            with on_parsed_arguments(), loaders.handed_over(), hot_swap, saves, jit:
                 self.result = self.pretrain(*args, **kwargs)
         finally:
             startup.close()

@@ -66,6 +66,7 @@ def warm_up_imports() -> None:
     will need, so that the build itself runs no import."""
     import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.mimo  # noqa: F401 - get_megatron_optimizer imports it
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.optimizer_param_scheduler  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401

@@ -73,6 +73,7 @@ class CpuRehearsal:
     def __init__(self) -> None:
         self._mode = _CudaOnCpuMode()
         self._saved_cuda: dict[str, Any] = {}
+        self._saved_seeders: list[tuple[types.ModuleType, str, Any]] = []
         self._saved_tracker: tuple[Any, ...] | None = None
         self._saved_norm: Any = None
         self._saved_queue: Any = None
@@ -85,11 +86,26 @@ class CpuRehearsal:
             "synchronize": lambda device=None: None,
         }
 
+    @staticmethod
+    def _idle_seeders() -> list[tuple[types.ModuleType, str]]:
+        """Workaround "cuda-seed-stack": the lazy seeders of devices this machine lacks
+        (CUDA's always: the rehearsal runs only without it)."""
+        seeders = [(torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all")]
+        for name in ("xpu", "mtia"):
+            module = getattr(torch, name, None)
+            if module is not None and hasattr(module, "manual_seed_all") \
+                    and not module.is_available():
+                seeders.append((module, "manual_seed_all"))
+        return seeders
+
     def __enter__(self) -> "CpuRehearsal":
         cuda: types.ModuleType = torch.cuda
         for name, replacement in self._cuda_patches().items():
             self._saved_cuda[name] = getattr(cuda, name)
             setattr(cuda, name, replacement)
+        for module, name in self._idle_seeders():
+            self._saved_seeders.append((module, name, getattr(module, name)))
+            setattr(module, name, lambda seed: None)
         self._saved_tracker = install_cpu_rng_tracker()
         self._saved_norm = install_sequence_parallel_norm()
         self._saved_queue = install_forked_results_queue()
@@ -114,3 +130,6 @@ class CpuRehearsal:
         for name, original in self._saved_cuda.items():
             setattr(torch.cuda, name, original)
         self._saved_cuda.clear()
+        for module, name, original in reversed(self._saved_seeders):
+            setattr(module, name, original)
+        self._saved_seeders.clear()

@@ -118,6 +118,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("../training/initialize.py:66", "../training/initialize.py:281,359"),
     ),
     Workaround(
+        "cuda-seed-stack",
+        "Megatron seeds CUDA's generators (torch.manual_seed, model_parallel_cuda_manual_seed); "
+        "with CUDA (and XPU, MTIA) never initialised, torch keeps each seed for a later start "
+        "together with the caller's formatted stack, reading every source file on it: about "
+        "15 ms of a spare's 80 ms build alone (8 ranks). Without those devices there is no "
+        "generator of theirs to seed, so their lazy seeders do nothing; CPU seeding is "
+        "unchanged.",
+        ("tensor_parallel/random.py:305,490", "../training/initialize.py:446",
+         "torch/cuda/__init__.py:_lazy_call"),
+    ),
+    Workaround(
         "megatron-lm-device-properties",
         "validate_args reads the GPU architecture (get_device_arch_version) whenever TP > 1; "
         "on CPU a Hopper-like stand-in answers.",
