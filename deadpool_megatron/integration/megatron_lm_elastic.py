@@ -284,9 +284,9 @@ class MegatronLmLoop:
     def prepare_spare(self) -> None:
         """The script imported Megatron and parsed its arguments already. While it waits, a
         spare imports what the build would import late, runs Megatron's JIT warm-up
-        (spare_jit.py), and builds the datasets: Megatron's datasets are the same at every coordinate
-        (the sampler, built at the assignment, takes a rank's share), and building them was
-        0.4 s of a spare's 1 s build alone (8 ranks, mock data). Without a world yet, the
+        (spare_jit.py), and builds the datasets: Megatron's datasets are the same at every
+        coordinate (the sampler, built at the assignment, takes a rank's share), and building
+        them was 0.4 s of a spare's 1 s build alone (8 ranks, mock data). Without a world yet, the
         builder makes no collective. A provider that fails here is called again then."""
         import torch
         from megatron.training import training

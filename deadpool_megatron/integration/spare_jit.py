@@ -4,9 +4,9 @@ Megatron's `pretrain()` calls `set_jit_fusion_options` once its world is up: the
 bias-GeLU (or SwiGLU) and bias-dropout-add run forward and backward on tensors shaped by the
 arguments alone, compiling the fusions on a GPU. Nothing in it depends on the rank, so a
 spare runs it before its assignment, on its own device, with every generator it draws from
-put back; its build alone then skips it once. On CPU it was 10-15 ms of a 70 ms build alone
-(8 ranks), on the recovery's critical path: the survivors wait for the spare in the
-rendezvous.
+put back; its build alone then skips it once. On CPU it was about a sixth of that build
+(8 ranks, sampled), which is on the recovery's critical path: the survivors wait for the
+spare in the rendezvous.
 """
 
 from __future__ import annotations
