@@ -72,40 +72,31 @@ class CpuRehearsal:
 
     def __init__(self) -> None:
         self._mode = _CudaOnCpuMode()
-        self._saved_cuda: dict[str, Any] = {}
-        self._saved_seeders: list[tuple[types.ModuleType, str, Any]] = []
+        self._saved: list[tuple[types.ModuleType, str, Any]] = []  # (module, name, original)
         self._saved_tracker: tuple[Any, ...] | None = None
         self._saved_norm: Any = None
         self._saved_queue: Any = None
         self._host_stream = _HostStream()
 
-    def _cuda_patches(self) -> dict[str, Any]:
-        return {
-            "current_device": lambda: 0,
-            "current_stream": lambda device=None: self._host_stream,
-            "synchronize": lambda device=None: None,
-        }
-
-    @staticmethod
-    def _idle_seeders() -> list[tuple[types.ModuleType, str]]:
-        """Workaround "cuda-seed-stack": the lazy seeders of devices this machine lacks
-        (CUDA's always: the rehearsal runs only without it)."""
-        seeders = [(torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all")]
+    def _patches(self) -> list[tuple[types.ModuleType, str, Any]]:
+        cuda = torch.cuda
+        patches = [(cuda, "current_device", lambda: 0),
+                   (cuda, "current_stream", lambda device=None: self._host_stream),
+                   (cuda, "synchronize", lambda device=None: None)]
+        # Workaround "cuda-seed-stack": the lazy seeders of devices this machine lacks do
+        # nothing (CUDA's always: the rehearsal runs only without it).
+        seeders = [(cuda, "manual_seed"), (cuda, "manual_seed_all")]
         for name in ("xpu", "mtia"):
             module = getattr(torch, name, None)
             if module is not None and hasattr(module, "manual_seed_all") \
                     and not module.is_available():
                 seeders.append((module, "manual_seed_all"))
-        return seeders
+        return patches + [(module, name, lambda seed: None) for module, name in seeders]
 
     def __enter__(self) -> "CpuRehearsal":
-        cuda: types.ModuleType = torch.cuda
-        for name, replacement in self._cuda_patches().items():
-            self._saved_cuda[name] = getattr(cuda, name)
-            setattr(cuda, name, replacement)
-        for module, name in self._idle_seeders():
-            self._saved_seeders.append((module, name, getattr(module, name)))
-            setattr(module, name, lambda seed: None)
+        for module, name, replacement in self._patches():
+            self._saved.append((module, name, getattr(module, name)))
+            setattr(module, name, replacement)
         self._saved_tracker = install_cpu_rng_tracker()
         self._saved_norm = install_sequence_parallel_norm()
         self._saved_queue = install_forked_results_queue()
@@ -127,9 +118,6 @@ class CpuRehearsal:
         if self._saved_queue is not None:
             restore_results_queue(self._saved_queue)
             self._saved_queue = None
-        for name, original in self._saved_cuda.items():
-            setattr(torch.cuda, name, original)
-        self._saved_cuda.clear()
-        for module, name, original in reversed(self._saved_seeders):
+        for module, name, original in reversed(self._saved):
             setattr(module, name, original)
-        self._saved_seeders.clear()
+        self._saved.clear()
