@@ -407,6 +407,59 @@ def test_checkpoint_writer_fork_needed_and_works() -> None:
         fs._results_queue = None
 
 
+WRITER_OWNER = """
+import time
+from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import
+prepare_megatron_import(True)
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fs
+with CpuRehearsal():
+    queue = fs.get_write_results_queue()
+print(queue._manager._process.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_writer_queues_server_ends_with_its_worker() -> None:
+    """A worker SIGKILLed where nothing sweeps its children (its launcher was SIGKILLed, and
+    the parent-death signal killed the worker) leaves no queue server behind."""
+    import os
+    import select
+    import signal
+    import time
+
+    from deadpool_megatron.rehearsal.checkpoint_writer import PARENT_CHECK_S
+
+    owner = subprocess.Popen([sys.executable, "-c", WRITER_OWNER], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    server = None
+    try:
+        ready, _, _ = select.select([owner.stdout], [], [], 180)
+        line = owner.stdout.readline() if ready else ""
+        assert line.strip().isdigit(), f"the stand-in worker made no queue: {line!r}"
+        server = int(line)
+        assert _running(server)
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 10 * PARENT_CHECK_S
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(server), "the writer's queue server outlived its worker"
+    finally:
+        owner.kill()
+        owner.wait(10)
+        if server is not None and _running(server):
+            os.kill(server, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's new parent may not have reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_batch_p2p_sync_switch_exists_and_is_used() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 

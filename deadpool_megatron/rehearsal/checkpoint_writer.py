@@ -11,19 +11,39 @@ Megatron-LM's own async saves ask for this queue with 'fork'
 
 A forked server would inherit the worker's SIGTERM handler (which leaves a scheduler's
 SIGTERM to the launcher: training/driver.py) and outlive a killed worker's sweep by the
-launcher's grace; it starts with SIGTERM's default instead, as a spawned one does.
+launcher's grace; it starts with SIGTERM's default instead, as a spawned one does. It also
+ends itself once its worker is gone: a worker killed by its launcher's death (the
+parent-death signal, launch/child.py) leaves no launcher to sweep its children, and the
+server went on as an orphan of init. A parent-death signal cannot do this: it follows the
+thread that forked, and the first save's thread (a generation's training thread) ends at
+the next recovery while the queue serves every later save.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
+import threading
+import time
 from multiprocessing.managers import SyncManager
 from typing import Any, Callable
 
 
-def _default_sigterm() -> None:
+PARENT_CHECK_S = 1.0  # how often the server looks for its worker
+
+
+def _serve_as_child_of(worker: int) -> None:
+    """The server's start: SIGTERM's default, and an end of its own once `worker` is gone
+    (its parent is then another process: init, or the launcher that adopts orphans)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def watch() -> None:
+        while os.getppid() == worker:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="deadpool-worker-watch", daemon=True).start()
 
 
 def install_forked_results_queue() -> Callable[..., Any]:
@@ -37,7 +57,7 @@ def install_forked_results_queue() -> Callable[..., Any]:
     def forked(mp_mode: str = "fork") -> Any:
         if mp_mode == "fork" and filesystem_async._results_queue is None:
             manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-            manager.start(initializer=_default_sigterm)
+            manager.start(initializer=_serve_as_child_of, initargs=(os.getpid(),))
             filesystem_async._results_queue = manager.Queue()  # holds its manager
         return original(mp_mode)
 
