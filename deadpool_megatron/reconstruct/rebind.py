@@ -116,7 +116,7 @@ class MegatronGlobals:
 
 # What the walk does with an object, decided once per type (`_kind`): isinstance against
 # torch's ProcessGroup runs its metaclass's Python-level check, and the walk asked it, and
-# a dozen other isinstance questions, of every value it met (a third of a rebind's time).
+# a dozen other isinstance questions, of every value it met (over half of the walk).
 GROUP, LEAF, TENSOR, LIST, DICT, COLLECTION, PARTIAL, METHOD, FUNCTION, OBJECT = range(10)
 
 
