@@ -14,9 +14,9 @@ SIGTERM to the launcher: training/driver.py) and outlive a killed worker's sweep
 launcher's grace; it starts with SIGTERM's default instead, as a spawned one does. It also
 ends itself once its worker is gone: a worker killed by its launcher's death (the
 parent-death signal, launch/child.py) leaves no launcher to sweep its children, and the
-server went on as an orphan of init. A parent-death signal cannot do this: it follows the
-thread that forked, and the first save's thread (a generation's training thread) ends at
-the next recovery while the queue serves every later save.
+server went on as an orphan of init. A watch, not a parent-death signal: that signal
+follows the thread that forked (whichever thread made the first save), not the worker
+process, which is what the server serves.
 """
 
 from __future__ import annotations
