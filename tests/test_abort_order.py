@@ -64,7 +64,7 @@ def _sockets_now() -> frozenset[int]:
 def _member(tp: int, log: list[str], engine: object = None, backend: str = "nccl"):
     from deadpool_megatron.reconstruct.member import Member
 
-    ctl = types.SimpleNamespace(port=1, worker="w0",
+    ctl = types.SimpleNamespace(endpoints=frozenset(), worker="w0",
                                 members=lambda g: {0: "w0", 1: "s0.0"},
                                 replaced=lambda g: [1], flush_of=lambda g: None)
     engine = engine or types.SimpleNamespace(abandon=lambda: None, release_waiters=lambda: None,
@@ -179,7 +179,7 @@ def test_only_the_generations_own_connections_are_cut_and_gloo_aborts_nothing(
         mine = socket.create_connection(("127.0.0.1", port))  # the generation's own
         mine_peer, _ = server.accept()
         try:
-            cut = GenerationCut(keep_ports=set(), older=older, nccl=False)
+            cut = GenerationCut(keep=frozenset(), older=older, nccl=False)
             assert cut() >= 1
             assert mine.recv(1) == b""  # shut down: a blocked receive returns at once
             other.setblocking(False)
@@ -191,6 +191,41 @@ def test_only_the_generations_own_connections_are_cut_and_gloo_aborts_nothing(
         finally:
             for s in (other, other_peer, mine, mine_peer):
                 s.close()
+
+
+def test_a_connection_to_another_address_on_the_stores_port_is_cut() -> None:
+    """Where the host name resolves to an address other than the store's, gloo listens
+    there, and a gloo listener may take the store's port number. Its pairs are the
+    generation's: cut, while the control plane's connections stay open."""
+    from deadpool_megatron.control.sockets import endpoints
+    from deadpool_megatron.reconstruct.abort import GenerationCut
+    from deadpool_megatron.reconstruct.groups import socket_inodes
+
+    with socket.create_server(("127.0.0.1", 0)) as store:
+        port = store.getsockname()[1]
+        with socket.create_server(("127.0.0.2", port)) as gloo:  # same port, other address
+            older = socket_inodes()
+            control = socket.create_connection(("127.0.0.1", port))
+            control_peer, _ = store.accept()
+            pair = socket.create_connection(("127.0.0.2", port))
+            pair_peer, _ = gloo.accept()
+            try:
+                cut = GenerationCut(keep=endpoints("127.0.0.1", port), older=older, nccl=False)
+                assert cut() == 2  # the pair, both of its ends (this process holds both)
+                assert pair.recv(1) == b""
+                control_peer.sendall(b"x")
+                assert control.recv(1) == b"x"  # the control plane's: untouched
+            finally:
+                for s in (control, control_peer, pair, pair_peer):
+                    s.close()
+
+
+def test_store_endpoints_match_a_clients_v4_mapped_peer() -> None:
+    """torch's store client may connect over an IPv6 socket (peer ::ffff:127.0.0.1)."""
+    from deadpool_megatron.control.sockets import endpoint, endpoints
+
+    assert endpoint(("::ffff:127.0.0.1", 7, 0, 0)) in endpoints("127.0.0.1", 7)
+    assert endpoint(("127.0.0.2", 7)) not in endpoints("127.0.0.1", 7)
 
 
 def test_nccl_async_error_handling_is_left_to_the_recovery() -> None:

@@ -45,12 +45,12 @@ first, first_fds = ctl.take_connection()  # generation 0's, prepared at start
 opened = []
 real_open = ctl._open
 ctl._open = lambda: opened.append(1) or real_open()
-before = set(sockets_to(server.port))
+before = set(sockets_to(ctl.endpoints))
 ctl.prepare_connection()  # as when a generation has formed: a spare one, for after a cut
 deadline = time.monotonic() + 10
-while len(set(sockets_to(server.port)) - before) < 1 and time.monotonic() < deadline:
+while len(set(sockets_to(ctl.endpoints)) - before) < 1 and time.monotonic() < deadline:
     time.sleep(0.01)
-appeared = set(sockets_to(server.port)) - before
+appeared = set(sockets_to(ctl.endpoints)) - before
 time.sleep(0.1)
 again, again_fds = ctl.take_connection()  # the next generation, nothing cut: the same one
 assert again is first and again_fds == first_fds and len(opened) == 1, (again_fds, opened)

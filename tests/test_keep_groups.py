@@ -273,7 +273,7 @@ def test_a_thread_stopped_between_iterations_spares_no_connection(monkeypatch,
 
     prepare_megatron_import()
     with socket.create_server(("127.0.0.1", 0)) as server:
-        ctl = types.SimpleNamespace(port=1, worker="w0",
+        ctl = types.SimpleNamespace(endpoints=frozenset(), worker="w0",
                                     members=lambda g: {0: "w0", 3: "s0.0"},
                                     replaced=lambda g: [3], flush_of=lambda g: None,
                                     store=None, latest_declared=lambda: g + 1)

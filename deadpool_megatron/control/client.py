@@ -30,7 +30,7 @@ from deadpool_megatron.control.alike import error_kind
 from deadpool_megatron.control.auth import SignedStore, token_from_env
 from deadpool_megatron.control.declaration import Declaration, Membership
 from deadpool_megatron.control.failures import PeerFailure
-from deadpool_megatron.control.sockets import sockets_to
+from deadpool_megatron.control.sockets import Endpoint, endpoints, sockets_to
 
 log = logging.getLogger("deadpool_megatron.control")
 SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
@@ -55,6 +55,7 @@ class ControlClient:
         self.token = token
         self.timeout_s = timeout_s
         self.host, self.port = host, port
+        self.endpoints: frozenset[Endpoint] = endpoints(host, port)  # the store's, as peers
         self._opening = threading.Lock()  # one connection opened at a time (see _open)
         self._prepared: tuple[dist.Store, list[int]] | None = None
         self._preparing: threading.Thread | None = None
@@ -111,10 +112,10 @@ class ControlClient:
         """A new connection to the launcher's store and its socket fds. Openings never
         overlap, so the fds that appeared are this connection's."""
         with self._opening:
-            before = set(sockets_to(self.port))
+            before = set(sockets_to(self.endpoints))
             store = dist.TCPStore(self.host, self.port, is_master=False,
                                   timeout=timedelta(seconds=self.timeout_s))
-            return store, sorted(set(sockets_to(self.port)) - before)
+            return store, sorted(set(sockets_to(self.endpoints)) - before)
 
     # -- the connection of a generation's group rendezvous, opened ahead of need ----------
     def prepare_connection(self) -> None:

@@ -45,8 +45,29 @@ def new_socket_inodes(before: frozenset[str]) -> frozenset[int]:
     return frozenset(found)
 
 
-def sockets_to(port: int) -> list[int]:
-    """This process's socket fds connected to `port`."""
+Endpoint = tuple[str, int]  # (numeric address, port): one end of a TCP connection
+
+
+def endpoint(sockaddr: tuple) -> Endpoint:
+    """A socket address as (address, port), an IPv4-mapped IPv6 address as plain IPv4."""
+    address = sockaddr[0]
+    if address.startswith("::ffff:") and "." in address:
+        address = address[len("::ffff:"):]
+    return address, sockaddr[1]
+
+
+def endpoints(host: str, port: int) -> frozenset[Endpoint]:
+    """Every address `host:port` resolves to here: what a connection to it has as its
+    peer. A port alone does not name a server: a socket bound to another address (gloo's,
+    on the address the host name resolves to) may hold the same port number (CI: a gloo
+    connection taken for the control plane's was never cut, and a blocked collective held
+    its rank past the stop timeout)."""
+    return frozenset(endpoint(info[4]) for info in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICSERV))
+
+
+def sockets_to(server: frozenset[Endpoint]) -> list[int]:
+    """This process's socket fds connected to `server` (`endpoints`)."""
     found = []
     for fd in socket_fds():
         try:
@@ -55,7 +76,7 @@ def sockets_to(port: int) -> list[int]:
             continue
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and \
-                    sock.getpeername()[1] == port:
+                    endpoint(sock.getpeername()) in server:
                 found.append(fd)
         except OSError:
             pass

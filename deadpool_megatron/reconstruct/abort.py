@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import MutableMapping
 
+from deadpool_megatron.control.sockets import Endpoint
 from deadpool_megatron.reconstruct.groups import sever_connections
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
@@ -61,7 +62,7 @@ class GenerationCut:
     waits, then its connections opened since `older` was taken, but the control plane's
     and, until `cut_spared`, those of the groups this rank may keep (`spared`, keep.py)."""
 
-    keep_ports: set[int]
+    keep: frozenset[Endpoint]  # the control-plane store's ends (control/sockets.endpoints)
     older: frozenset[int]
     nccl: bool
     aborted: bool = False
@@ -74,7 +75,7 @@ class GenerationCut:
         if self.nccl and not self.aborted:
             self.aborted = True
             abort_communicators()
-        return sever_connections(self.keep_ports, self.older | self.spared)
+        return sever_connections(self.keep, self.older | self.spared)
 
     def unspare(self, inodes: frozenset[int]) -> None:
         """These connections are cut after all (a thread waits on them)."""

@@ -19,7 +19,7 @@ from torch.distributed import distributed_c10d as c10d
 from deadpool_megatron.config import TrainConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.client import ControlClient
-from deadpool_megatron.control.sockets import socket_fd_inodes
+from deadpool_megatron.control.sockets import Endpoint, endpoint, socket_fd_inodes
 from deadpool_megatron.reconstruct.forming import Forming
 
 log = logging.getLogger("deadpool_megatron.reconstruct")
@@ -158,11 +158,12 @@ def socket_inodes() -> frozenset[int]:
     return frozenset(inode for _, inode in socket_fd_inodes())
 
 
-def sever_connections(keep_ports: set[int], older: frozenset[int] = frozenset()) -> int:
+def sever_connections(keep: frozenset[Endpoint],
+                      older: frozenset[int] = frozenset()) -> int:
     """Shut down every TCP connection of this process opened since `older` was taken (the
     generation's own: its gloo pairs, its snapshot group's, NCCL's socket transport),
-    except those to or from `keep_ports` (the control-plane store), whatever its state;
-    returns how many were cut.
+    except those to or from `keep` (the control-plane store's addresses and port), whatever
+    its state; returns how many were cut.
 
     Called between generations, before any new group exists: what remains are the broken
     generation's gloo pairs. A collective blocked on one of them (in the stopping training
@@ -176,7 +177,7 @@ def sever_connections(keep_ports: set[int], older: frozenset[int] = frozenset())
     cut = 0
     for sock, local, peer in _tcp_sockets(skip=older):
         with sock:
-            if peer is None or local in keep_ports or peer in keep_ports:
+            if peer is None or local in keep or peer in keep:
                 continue  # listening or not yet connected; or the control plane's
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -192,12 +193,14 @@ def open_connections() -> list[str]:
     out = []
     for sock, local, peer in _tcp_sockets():
         with sock:
-            out.append(f"{local}->{peer}" if peer is not None else f"{local} unconnected")
+            out.append(f"{local[1]}->{peer[1]}" if peer is not None
+                       else f"{local[1]} unconnected")
     return out
 
 
-def _tcp_sockets(skip: frozenset[int] = frozenset()) -> Iterator[tuple[Any, int, int | None]]:
-    """(a duplicate of the socket, its local port, its peer's port or None) for each TCP
+def _tcp_sockets(skip: frozenset[int] = frozenset()
+                 ) -> Iterator[tuple[Any, Endpoint, Endpoint | None]]:
+    """(a duplicate of the socket, its local end, its peer's end or None) for each TCP
     socket of this process but those whose inode is in `skip` (not even duplicated); the
     caller closes the duplicate."""
     import socket
@@ -217,12 +220,12 @@ def _tcp_sockets(skip: frozenset[int] = frozenset()) -> Iterator[tuple[Any, int,
             if sock.type != socket.SOCK_STREAM or not inet:
                 sock.close()
                 continue
-            local = sock.getsockname()[1]
+            local = endpoint(sock.getsockname())
         except OSError:
             sock.close()
             continue
         try:
-            peer = sock.getpeername()[1]
+            peer = endpoint(sock.getpeername())
         except OSError:
             peer = None
         yield sock, local, peer

@@ -105,7 +105,7 @@ class Member(NotWalked):
     def cut(self, spared: frozenset[int] = frozenset()) -> GenerationCut:
         """How this generation is cut loose (its NCCL communicators, its connections but
         `spared`: those of the groups it may keep)."""
-        return GenerationCut({self.ctl.port}, self.sockets_before or frozenset(),
+        return GenerationCut(self.ctl.endpoints, self.sockets_before or frozenset(),
                              nccl=self.cfg.distributed_backend == "nccl", spared=spared)
 
     @property
