@@ -6,20 +6,15 @@ import os
 import textwrap
 from pathlib import Path
 
-import psutil
 
 from deadpool_megatron.testing.jobs import run_job
+from deadpool_megatron.testing.processes import running
 
 
 def _script(tmp: Path, body: str) -> Path:
     path = tmp / "job.py"
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def _alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if psutil.pid_exists(p)
-            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_hung_job_is_killed_at_the_deadline(tmp_path: Path) -> None:
@@ -33,7 +28,7 @@ def test_hung_job_is_killed_at_the_deadline(tmp_path: Path) -> None:
     assert result.timed_out and not result.ok
     assert 4 < result.elapsed_s < 30
     pids = [int(x) for r in result.logs.values() for x in r.split("pids")[1].split()]
-    assert len(pids) == 4 and _alive(pids) == []  # grandchildren too
+    assert len(pids) == 4 and running(pids) == []  # grandchildren too
 
 
 def test_one_failed_rank_stops_the_others_and_keeps_all_logs(tmp_path: Path) -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from deadpool_megatron.rehearsal import WORKAROUNDS, CpuRehearsal, prepare_megatron_import
+from deadpool_megatron.testing.processes import running
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only workarounds")
 TESTED = {
@@ -419,7 +421,7 @@ time.sleep(120)
 """
 
 
-def test_the_writer_queues_server_ends_with_its_worker() -> None:
+def test_the_writer_queues_server_ends_with_its_worker(tmp_path: Path) -> None:
     """A worker SIGKILLed where nothing sweeps its children (its launcher was SIGKILLed, and
     the parent-death signal killed the worker) leaves no queue server behind."""
     import os
@@ -429,35 +431,30 @@ def test_the_writer_queues_server_ends_with_its_worker() -> None:
 
     from deadpool_megatron.rehearsal.checkpoint_writer import PARENT_CHECK_S
 
-    owner = subprocess.Popen([sys.executable, "-c", WRITER_OWNER], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
+    errors = tmp_path / "owner.err"  # the stand-in worker's, shown where it fails
+    with errors.open("w") as sink:
+        owner = subprocess.Popen([sys.executable, "-c", WRITER_OWNER], stdout=subprocess.PIPE,
+                                 stderr=sink, text=True)
     server = None
     try:
         ready, _, _ = select.select([owner.stdout], [], [], 180)
         line = owner.stdout.readline() if ready else ""
-        assert line.strip().isdigit(), f"the stand-in worker made no queue: {line!r}"
+        assert line.strip().isdigit(), \
+            f"the stand-in worker made no queue: {line!r}\n{errors.read_text()}"
         server = int(line)
-        assert _running(server)
+        assert running([server])
         owner.kill()
         owner.wait(10)
         deadline = time.monotonic() + 10 * PARENT_CHECK_S
-        while _running(server) and time.monotonic() < deadline:
+        while running([server]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _running(server), "the writer's queue server outlived its worker"
+        assert not running([server]), \
+            f"the writer's queue server outlived its worker\n{errors.read_text()}"
     finally:
         owner.kill()
         owner.wait(10)
-        if server is not None and _running(server):
+        if server is not None and running([server]):
             os.kill(server, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's new parent may not have reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_batch_p2p_sync_switch_exists_and_is_used() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from deadpool_megatron.testing.jobs import REPO, run_hosts
+from deadpool_megatron.testing.processes import running
 
 LEAVE = """
 import multiprocessing, sys
@@ -43,24 +44,12 @@ def test_a_worker_leaving_kills_its_multiprocessing_children(tmp_path) -> None:
     children = [int(word) for word in out.read_text().split() if word.isdigit()]
     assert done.returncode == 3 and children, out.read_text()
     deadline = time.monotonic() + 10
-    while _running(children) and time.monotonic() < deadline:
+    while running(children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _running(children)
+    left = running(children)
     for pid in left:  # a failing run leaves nothing behind either
         psutil.Process(pid).kill()
     assert not left, f"still running after the worker left: {left}"
-
-
-def _running(pids: list[int]) -> list[int]:
-    """Those of `pids` alive (not a zombie waiting for init to reap it)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 HOLD = """
@@ -100,7 +89,7 @@ def test_what_a_killed_worker_started_is_stopped_by_its_launcher(tmp_path: Path)
                      "sigkill", "--child"], tmp_path, timeout_s=120, script=worker)
     children = {name: int(pid) for name, pid in
                 re.findall(r"worker (\S+) started child pid (\d+)", run.logs[0])}
-    left = _running(list(children.values()))
+    left = running(list(children.values()))
     for pid in left:  # a failing run leaves nothing behind either
         psutil.Process(pid).kill()
     assert run.returncodes == [0] and not run.timed_out, run.describe()
