@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from deadpool_megatron.rehearsal import WORKAROUNDS, CpuRehearsal, prepare_megatron_import
-from deadpool_megatron.testing.processes import running
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only workarounds")
 TESTED = {
@@ -407,54 +405,6 @@ def test_checkpoint_writer_fork_needed_and_works() -> None:
         if fs._results_queue is not None and fs._results_queue._manager._process.is_alive():
             fs._results_queue._manager.shutdown()
         fs._results_queue = None
-
-
-WRITER_OWNER = """
-import time
-from deadpool_megatron.rehearsal import CpuRehearsal, prepare_megatron_import
-prepare_megatron_import(True)
-from megatron.core.dist_checkpointing.strategies import filesystem_async as fs
-with CpuRehearsal():
-    queue = fs.get_write_results_queue()
-print(queue._manager._process.pid, flush=True)
-time.sleep(120)
-"""
-
-
-def test_the_writer_queues_server_ends_with_its_worker(tmp_path: Path) -> None:
-    """A worker SIGKILLed where nothing sweeps its children (its launcher was SIGKILLed, and
-    the parent-death signal killed the worker) leaves no queue server behind."""
-    import os
-    import select
-    import signal
-    import time
-
-    from deadpool_megatron.rehearsal.checkpoint_writer import PARENT_CHECK_S
-
-    errors = tmp_path / "owner.err"  # the stand-in worker's, shown where it fails
-    with errors.open("w") as sink:
-        owner = subprocess.Popen([sys.executable, "-c", WRITER_OWNER], stdout=subprocess.PIPE,
-                                 stderr=sink, text=True)
-    server = None
-    try:
-        ready, _, _ = select.select([owner.stdout], [], [], 180)
-        line = owner.stdout.readline() if ready else ""
-        assert line.strip().isdigit(), \
-            f"the stand-in worker made no queue: {line!r}\n{errors.read_text()}"
-        server = int(line)
-        assert running([server])
-        owner.kill()
-        owner.wait(10)
-        deadline = time.monotonic() + 10 * PARENT_CHECK_S
-        while running([server]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not running([server]), \
-            f"the writer's queue server outlived its worker\n{errors.read_text()}"
-    finally:
-        owner.kill()
-        owner.wait(10)
-        if server is not None and running([server]):
-            os.kill(server, signal.SIGKILL)
 
 
 def test_batch_p2p_sync_switch_exists_and_is_used() -> None:

@@ -209,6 +209,7 @@ class HotSwapPretrain:
 
         from deadpool_megatron.integration.megatron_data import BatchSchedule
         from deadpool_megatron.integration.megatron_lm import deadpool_config, train_config
+        from deadpool_megatron.integration.results_queue import ensure_watched
         from deadpool_megatron.reconstruct.member import LoopTraits
         from deadpool_megatron.training.driver import exit_now, run_worker
         from deadpool_megatron.training.elastic import new_worker_member
@@ -217,6 +218,7 @@ class HotSwapPretrain:
         cfg, ft = train_config(margs), deadpool_config(margs)
         world = int(os.environ["WORLD_SIZE"])
         ft.validate(world)
+        ensure_watched()  # the checkpoint writer's queue server ends with this worker
         progress = _progress_board(ft)
         from deadpool_megatron.integration.device import ProcessDevice
 
