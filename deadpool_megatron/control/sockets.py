@@ -59,9 +59,9 @@ def endpoint(sockaddr: tuple) -> Endpoint:
 def endpoints(host: str, port: int) -> frozenset[Endpoint]:
     """Every address `host:port` resolves to here: what a connection to it has as its
     peer. A port alone does not name a server: a socket bound to another address (gloo's,
-    on the address the host name resolves to) may hold the same port number (CI: a gloo
-    connection taken for the control plane's was never cut, and a blocked collective held
-    its rank past the stop timeout)."""
+    on the address the host name resolves to) may hold the same port number, and a gloo
+    connection taken for the control plane's would be spared by every cut (a collective
+    blocked on it would hold its rank past the stop timeout)."""
     return frozenset(endpoint(info[4]) for info in socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICSERV))
 
