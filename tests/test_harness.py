@@ -6,7 +6,6 @@ import os
 import textwrap
 from pathlib import Path
 
-
 from deadpool_megatron.testing.jobs import run_job
 from deadpool_megatron.testing.processes import running
 
