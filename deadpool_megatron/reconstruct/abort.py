@@ -69,13 +69,16 @@ class GenerationCut:
     spared: frozenset[int] = frozenset()
     spared_cut: bool = False
 
-    def __call__(self) -> int:
+    def __call__(self, both_ways: bool = False) -> int:
         """Cut now (again: a connection still being set up at the last cut may hold a
-        thread); returns the connections cut."""
+        thread); returns the connections cut. The read side, which gloo turns into a failed
+        pair and a closed socket (groups.sever_connections); `both_ways` also for
+        connections no event loop watches: a stopping thread past its patience, or a
+        generation still forming."""
         if self.nccl and not self.aborted:
             self.aborted = True
             abort_communicators()
-        return sever_connections(self.keep, self.older | self.spared)
+        return sever_connections(self.keep, self.older | self.spared, both_ways)
 
     def unspare(self, inodes: frozenset[int]) -> None:
         """These connections are cut after all (a thread waits on them)."""

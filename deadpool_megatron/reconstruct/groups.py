@@ -158,8 +158,8 @@ def socket_inodes() -> frozenset[int]:
     return frozenset(inode for _, inode in socket_fd_inodes())
 
 
-def sever_connections(keep: frozenset[Endpoint],
-                      older: frozenset[int] = frozenset()) -> int:
+def sever_connections(keep: frozenset[Endpoint], older: frozenset[int] = frozenset(),
+                      both_ways: bool = False) -> int:
     """Shut down every TCP connection of this process opened since `older` was taken (the
     generation's own: its gloo pairs, its snapshot group's, NCCL's socket transport),
     except those to or from `keep` (the control-plane store's addresses and port), whatever
@@ -171,16 +171,27 @@ def sever_connections(keep: frozenset[Endpoint],
     waiting out its timeout. Half-closed sockets (the peer cut first: CLOSE_WAIT) are cut
     too: an operation posted on one later must fail, not wait. The sockets are found through
     /proc/self/fd (psutil's connection table took 100-200 ms on a loaded host).
+
+    The read side only, unless `both_ways`: gloo's event loop then reads the end of the
+    stream, fails the pair with every operation waiting on it, and closes the socket, which
+    the peer sees. A write side shut down under a thread that is just posting a send (an
+    intact replica entering the reduction barrier as it is cut) fails that send with EPIPE,
+    which gloo's asynchronous path answers by queueing the send, unfailed, and the pair's
+    later failure does not wake a waiting send of an unbound buffer
+    (gloo/transport/tcp/pair.cc: write, signalException): the thread waited out the group's
+    timeout (CI: "a thread ... did not stop within 5 s", its training thread in the
+    data-parallel barrier, every gloo connection of the rank already closed).
     """
     import socket
 
+    how = socket.SHUT_RDWR if both_ways else socket.SHUT_RD
     cut = 0
     for sock, local, peer in _tcp_sockets(skip=older):
         with sock:
             if peer is None or local in keep or peer in keep:
                 continue  # listening or not yet connected; or the control plane's
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(how)
                 cut += 1
             except OSError:
                 pass

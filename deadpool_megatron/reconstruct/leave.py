@@ -214,7 +214,8 @@ def join_cutting(training: StoppableThread, severed: int, cut: GenerationCut,
             deadline = time.monotonic() + RECUT_S
         if training.join(RECUT_S):
             break
-        if time.monotonic() > start + KEEP_PATIENCE_S:
+        patience_over = time.monotonic() > start + KEEP_PATIENCE_S
+        if patience_over:
             cut.cut_spared()
-        severed += cut()
+        severed += cut(both_ways=patience_over)
     return not training.alive(), severed

@@ -116,7 +116,8 @@ def interrupt(member: Member, forming: Forming) -> None:
         member.ctl.connection_cut()
     # Sockets only: a forming generation's NCCL communicators are not yet used, and the
     # main thread is creating groups meanwhile.
-    GenerationCut(member.ctl.endpoints, member.sockets_before or frozenset(), nccl=False)()
+    GenerationCut(member.ctl.endpoints, member.sockets_before or frozenset(),
+                  nccl=False)(both_ways=True)
     if store is not None:
         store.cut()
     forming.supersede()
