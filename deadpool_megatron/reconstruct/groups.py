@@ -178,8 +178,8 @@ def sever_connections(keep: frozenset[Endpoint], older: frozenset[int] = frozens
     intact replica entering the reduction barrier as it is cut) fails that send with EPIPE,
     which gloo's asynchronous path answers by queueing the send, unfailed, and the pair's
     later failure does not wake a waiting send of an unbound buffer
-    (gloo/transport/tcp/pair.cc: write, signalException): the thread waited out the group's
-    timeout (CI: "a thread ... did not stop within 5 s", its training thread in the
+    (gloo/transport/tcp/pair.cc: write, signalException): the thread would wait out the
+    group's timeout (CI: "a thread ... did not stop within 5 s", its training thread in the
     data-parallel barrier, every gloo connection of the rank already closed).
     """
     import socket
