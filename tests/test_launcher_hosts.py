@@ -230,3 +230,24 @@ def test_bad_launch_flag_exits_2_with_the_message(capsys: pytest.CaptureFixture)
         main(["--nnodes", "2", "--node-rank", "1", "train.py"])
     assert end.value.code == 2
     assert "--node-rank > 0 needs the --master-port of host 0" in capsys.readouterr().err
+
+
+def test_an_unresolvable_master_addr_is_refused_naming_the_flag(
+        capsys: pytest.CaptureFixture) -> None:
+    """A name the resolver does not know failed inside torch's store with the resolver's
+    words only; the launcher now says which flag to change before it starts anything."""
+    from deadpool_megatron.launch.launcher import main
+
+    with pytest.raises(SystemExit) as end:
+        main(["--master-addr", "no-such-host.invalid", "train.py"])
+    assert end.value.code == 2
+    assert "--master-addr 'no-such-host.invalid' does not resolve on this host" in \
+        capsys.readouterr().err
+
+
+def test_a_worker_told_an_unresolvable_master_addr_names_it() -> None:
+    from deadpool_megatron.control.client import ControlClient
+
+    with pytest.raises(RuntimeError, match="MASTER_ADDR 'no-such-host.invalid' does not "
+                                           "resolve on this host"):
+        ControlClient("no-such-host.invalid", 1, "w0", 1.0, "token")

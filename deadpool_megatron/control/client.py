@@ -30,7 +30,7 @@ from deadpool_megatron.control.alike import error_kind
 from deadpool_megatron.control.auth import SignedStore, token_from_env
 from deadpool_megatron.control.declaration import Declaration, Membership
 from deadpool_megatron.control.failures import PeerFailure
-from deadpool_megatron.control.sockets import Endpoint, endpoints, sockets_to
+from deadpool_megatron.control.sockets import Endpoint, endpoints, sockets_to, unresolvable
 
 log = logging.getLogger("deadpool_megatron.control")
 SHUTDOWN_CHECK_S = 0.5  # how often a waiting worker checks that the job still runs
@@ -55,6 +55,10 @@ class ControlClient:
         self.token = token
         self.timeout_s = timeout_s
         self.host, self.port = host, port
+        if (why := unresolvable(host)) is not None:
+            raise RuntimeError(f"worker {worker}: MASTER_ADDR {host!r} does not resolve on "
+                               f"this host ({why}): deadpool-launch's --master-addr must "
+                               f"name host 0 by an address or a name every host resolves")
         self.endpoints: frozenset[Endpoint] = endpoints(host, port)  # the store's, as peers
         self._opening = threading.Lock()  # one connection opened at a time (see _open)
         self._prepared: tuple[dist.Store, list[int]] | None = None

@@ -115,6 +115,16 @@ def store_server(address: str, port: int, timeout_s: float, world_size: int | No
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
 
 
+def unresolvable(host: str) -> str | None:
+    """Why `host` does not resolve here, or None if it does: a name the resolver does not
+    know failed deep inside a store or a gloo connection, with the resolver's words only."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        return str(err)
+    return None
+
+
 def is_loopback(address: str) -> bool:
     """`address` resolves here to a loopback address (127.x, ::1), as a host's own name
     often does in /etc/hosts: a server bound to it is unreachable from other machines."""

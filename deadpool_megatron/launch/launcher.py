@@ -30,7 +30,7 @@ from deadpool_megatron.config import ConfigError, add_arguments, from_namespace
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.auth import SignedStore, TokenError, new_token, read_token_file
 from deadpool_megatron.control.policy import RECOVERY_IMPOSSIBLE_RC
-from deadpool_megatron.control.sockets import is_loopback, store_server
+from deadpool_megatron.control.sockets import is_loopback, store_server, unresolvable
 from deadpool_megatron.faults.remote import job_shape
 from deadpool_megatron.launch.config import LaunchConfig, LaunchError
 from deadpool_megatron.launch.console import Console, default_log_dir
@@ -421,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = from_namespace(LaunchConfig, ns)
     try:
         cfg.validate()
+        if (why := unresolvable(cfg.master_addr)) is not None:
+            raise LaunchError(f"--master-addr {cfg.master_addr!r} does not resolve on this "
+                              f"host ({why}): pass host 0's IP address, or a name this "
+                              f"host's resolver knows")
         flags = worker_flags(ns.script_args)
         cfg.check_devices(flags.backend, torch.cuda.device_count())
         if cfg.spares and not flags.deadpool.deadpool:
