@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from deadpool_megatron.integration.results_queue import (install_results_queue,
-                                                          restore_results_queue)
-
-__all__ = ["install_forked_results_queue", "restore_results_queue"]
+from deadpool_megatron.integration.results_queue import install_results_queue
 
 
 def install_forked_results_queue() -> Callable[..., Any]:

@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from deadpool_megatron.rehearsal.checkpoint_writer import (install_forked_results_queue,
-                                                           restore_results_queue)
+from deadpool_megatron.integration.results_queue import restore_results_queue
+from deadpool_megatron.rehearsal.checkpoint_writer import install_forked_results_queue
 from deadpool_megatron.rehearsal.norm import install_sequence_parallel_norm, restore_norm
 from deadpool_megatron.rehearsal.rng import install_cpu_rng_tracker, restore_rng_tracker
 
