@@ -116,3 +116,53 @@ def test_a_loopback_master_address_is_recognised() -> None:
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost")
     assert not is_loopback("192.0.2.1")  # TEST-NET-1: a network address, never loopback
+
+
+# The watcher's own connection fails while the store still runs (what a cut taking it for a
+# generation's would do): the watcher records the loss, and a survivor waiting for the next
+# declaration must be told at once, not wait out the control timeout for a declaration that
+# can no longer reach it.
+LOST = r"""
+import os, socket, threading, time
+from deadpool_megatron.control.client import ControlClient, ControlLost
+from deadpool_megatron.control.sockets import store_server
+
+opened = {}
+
+class Recording(ControlClient):
+    def _open(self):
+        store, fds = super()._open()
+        opened.setdefault(threading.current_thread().name, []).extend(fds)
+        return store, fds
+
+server = store_server("127.0.0.1", 0, timeout_s=10)
+ctl = Recording("127.0.0.1", server.port, "w0", timeout_s=600, token="t" * 32)
+deadline = time.monotonic() + 10
+while "deadpool-watch" not in opened and time.monotonic() < deadline:
+    time.sleep(0.01)
+for fd in opened["deadpool-watch"]:
+    cut = socket.socket(fileno=os.dup(fd))
+    cut.shutdown(socket.SHUT_RDWR)
+    cut.close()
+result = []
+def wait():
+    try:
+        result.append(ctl.wait_generation_after(0))
+    except ControlLost as lost:
+        result.append(str(lost))
+t = threading.Thread(target=wait, daemon=True)
+t.start()
+t.join(20)  # far below the 600 s a wait that ignores the loss would take
+print("returned" if not t.is_alive() else "still waiting", result, ctl.control_lost.is_set(),
+      flush=True)
+os._exit(0)
+"""
+
+
+def test_a_survivor_waiting_for_a_declaration_is_told_the_control_plane_is_lost() -> None:
+    run = subprocess.run([sys.executable, "-c", LOST], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert run.stdout.startswith("returned ['worker w0: lost the control plane on 127.0.0.1:"), \
+        run.stdout + run.stderr
+    assert run.stdout.strip().endswith("waiting for a generation after 0'] True"), \
+        run.stdout + run.stderr

@@ -45,6 +45,11 @@ class JobShutdown(PeerFailure):
     """The launcher ended the job (finished, or recovery impossible: the reason says)."""
 
 
+class ControlLost(JobShutdown):
+    """The watcher lost its connection to the launcher's store: no declaration can reach
+    this worker any more, so nothing waits for one (a survivor flushes and leaves)."""
+
+
 class ControlClient:
     """One per worker process; built from the launcher's environment."""
 
@@ -294,9 +299,14 @@ class ControlClient:
             with self._cond:
                 if self._latest > generation:
                     return self._latest
-                self._cond.wait(SHUTDOWN_CHECK_S)
+                if not self.control_lost.is_set():
+                    self._cond.wait(SHUTDOWN_CHECK_S)
                 if self._latest > generation:
                     return self._latest
+            if self.control_lost.is_set():  # else the wait ran to its timeout (300 s)
+                raise ControlLost(f"worker {self.worker}: lost the control plane on "
+                                  f"{self.host}:{self.port} waiting for a generation after "
+                                  f"{generation}")
             self.check_shutdown()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.worker}: no generation after {generation} "
