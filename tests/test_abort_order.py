@@ -237,3 +237,28 @@ def test_nccl_async_error_handling_is_left_to_the_recovery() -> None:
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # tear down on error: overridden, said so
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 overridden" in configure_nccl_error_handling(env)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_once_its_threads_stopped_a_leaving_rank_closes_its_connections_for_its_peers(
+        ) -> None:
+    """The cut shuts down the read side while a thread may still post a send (gloo leaves
+    a send that meets a shut write side queued and unfailed). Once the rank's threads have
+    stopped, its peers must see every connection of the generation end, as they would a
+    dead process's, whatever gloo's event loop does with the read side: a peer blocked on
+    one waited until the rank's process exited (a kill during the job's first build: two
+    ranks waited 300 s, and the job ended)."""
+    from deadpool_megatron.reconstruct.leave import leave
+
+    prepare_megatron_import()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        mine = socket.create_connection(server.getsockname())  # the generation's own
+        peer, _ = server.accept()  # what a peer rank holds of it (not cut: older)
+        member = _member(1, [], backend="gloo")
+        member.sockets_before = _sockets_now() - {os.fstat(mine.fileno()).st_ino}
+        try:
+            leave(member, None, 5)  # the training thread already ended
+            peer.settimeout(5.0)
+            assert peer.recv(1) == b""  # the end of the stream, not a wait
+        finally:
+            mine.close()
+            peer.close()

@@ -82,6 +82,14 @@ def leave(member: Member, training: StoppableThread | None, generation: int,
                     "connections being cut; going on without it (it ends at its group's "
                     "timeout), at:\n%s", member.rank, worker_s, _held_at(held))
         held = {}
+    # Its threads stopped (or given up), nothing of this rank posts a send any more: the
+    # write side goes too, and every peer reads the end of each connection at once, as it
+    # would a dead process's. The read side alone leaves that to gloo's event loop here,
+    # which never reads on a pair whose receive lost its buffer (pair.cc: prepareRead);
+    # a peer waiting on such a pair waited out this process: ranks 1 and 2, blocked in
+    # the job's first build on ranks that had left, for the 300 s every rank then spent in
+    # generation 1's rendezvous, which ended the job.
+    cut(both_ways=True)
     if flushing and held:
         # A flush needs only the snapshots held complete in host memory, which neither
         # stuck thread (a hung kernel, a collective that ignores the cut) writes: the
