@@ -72,9 +72,11 @@ class GenerationCut:
     def __call__(self, both_ways: bool = False) -> int:
         """Cut now (again: a connection still being set up at the last cut may hold a
         thread); returns the connections cut. The read side, which gloo turns into a failed
-        pair and a closed socket (groups.sever_connections); `both_ways` also for
-        connections no event loop watches: a stopping thread past its patience, or a
-        generation still forming."""
+        pair and a closed socket (groups.sever_connections); `both_ways` where no send of
+        a waiting thread can meet the shut write side, or the read side is not enough: a
+        stopping thread past its patience, a generation still forming (no event loop may
+        watch its connections yet), and once the rank's threads have stopped (its peers
+        must read the end at once)."""
         if self.nccl and not self.aborted:
             self.aborted = True
             abort_communicators()

@@ -174,7 +174,9 @@ def sever_connections(keep: frozenset[Endpoint], older: frozenset[int] = frozens
 
     The read side only, unless `both_ways`: gloo's event loop then reads the end of the
     stream, fails the pair with every operation waiting on it, and closes the socket, which
-    the peer sees. A write side shut down under a thread that is just posting a send (an
+    the peer sees; but not on a pair whose posted receive lost its buffer, where it never
+    reads again, so a leaving rank shuts both ways once its threads stopped (leave.py). A
+    write side shut down under a thread that is just posting a send (an
     intact replica entering the reduction barrier as it is cut) fails that send with EPIPE,
     which gloo's asynchronous path answers by queueing the send, unfailed, and the pair's
     later failure does not wake a waiting send of an unbound buffer
